@@ -1,0 +1,51 @@
+# Every target sets itself up: a fresh clone needs nothing but python3 (>= 3.10) and make.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+STAMP  := $(VENV)/.stamp
+
+.PHONY: run test lint typecheck unit bench gpu-check clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The package (editable) plus what the tests and linters need. Re-run when the
+# dependency lists change.
+$(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt
+	$(PIP) -e ".[test]"
+	@touch $@
+
+$(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt
+	$(PIP) -e .
+	@touch $@
+
+$(STAMP)-bench: $(STAMP)-test
+	$(PIP) -e ".[test,bench]"
+	@touch $@
+
+## make run: set up .venv and run the main job, `anydevice doctor`, on this machine.
+run: $(STAMP)-run
+	$(VENV)/bin/anydevice doctor
+
+## make test: the whole suite, lint and type checks included.
+test: lint unit
+
+unit: $(STAMP)-test
+	$(PY) -m pytest
+
+lint: $(STAMP)-test
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks examples scripts
+	$(VENV)/bin/mypy
+
+## make bench: side-by-side benchmarks against plain torch and the peers.
+bench: $(STAMP)-bench
+	$(PY) benchmarks/run.py
+
+## make gpu-check: cuda-marked tests and GPU benchmarks, report under benchmarks/results/.
+gpu-check:
+	bash scripts/gpu-check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist
