@@ -1,0 +1,225 @@
+"""The CPU, and the host facts every inventory carries (OS, cores, cgroup limits, RAM)."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anydevice.backends.base import Backend, Probe
+from anydevice.inventory import DeviceInfo
+
+__all__ = ["CpuBackend", "cgroup_cpu_quota", "cgroup_memory_limit", "torch_build"]
+
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+class CpuBackend(Backend):
+    kind = "cpu"
+    label = "CPU"
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        import psutil  # light, but only needed when someone looks
+
+        vm = psutil.virtual_memory()
+        limit = cgroup_memory_limit()
+        total = min(vm.total, limit) if limit else vm.total
+        available = min(vm.available, total)
+        logical = os.cpu_count() or 1
+        quota = cgroup_cpu_quota()
+        usable = _usable_cores(logical, quota)
+        model = cpu_model()
+        flags = _cpu_flags()
+        notes: list[str] = []
+        utilization = temperature = None
+        if telemetry:
+            utilization = psutil.cpu_percent(interval=0.05)
+            temperature = _cpu_temperature(psutil)
+        device = DeviceInfo(
+            kind="cpu",
+            index=None,
+            name=model,
+            memory_total=total,
+            memory_free=available,
+            memory_used=total - available,
+            bf16=_native_bf16(flags),
+            tf32=False,
+            utilization=utilization,
+            temperature=temperature,
+            notes=tuple(notes),
+        )
+        host: dict[str, Any] = {
+            "hostname": platform.node(),
+            "os": platform.platform(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "torch": str(torch.__version__),
+            "torch_build": torch_build(),
+            "cpu_model": model,
+            "cores_logical": logical,
+            "cores_physical": psutil.cpu_count(logical=False),
+            "cores_usable": usable,
+            "cpu_quota": quota,
+            "memory_total": total,
+            "memory_available": available,
+            "memory_limit": limit,
+            "torch_threads": torch.get_num_threads(),
+            "cuda_runtime": torch.version.cuda,
+        }
+        return Probe(devices=(device,), host=host)
+
+
+def torch_build() -> str:
+    """What this torch was built for: ``"CUDA 12.8"``, ``"ROCm 6.2"``, ``"MPS"``, ``"CPU"``.
+
+    >>> torch_build() in ("CPU", "MPS") or torch_build().startswith(("CUDA", "ROCm", "XPU"))
+    True
+    """
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda}"
+    if getattr(torch.version, "hip", None):
+        return f"ROCm {torch.version.hip}"
+    if getattr(torch.version, "xpu", None):
+        return "XPU"
+    if torch.backends.mps.is_built():
+        return "MPS"
+    return "CPU"
+
+
+def _usable_cores(logical: int, quota: float | None) -> int:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        usable = logical
+    if quota is not None:
+        usable = min(usable, max(1, math.ceil(quota)))
+    return usable
+
+
+def cgroup_cpu_quota(root: Path = _CGROUP) -> float | None:
+    """The CPU quota of this process's cgroup in cores (``2.5``), or None when unlimited.
+
+    Reads cgroup v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``.
+    """
+    for base in _cgroup_dirs(root, "cpu"):
+        v2 = base / "cpu.max"
+        if v2.is_file():
+            fields = v2.read_text().split()
+            if len(fields) == 2 and fields[0] != "max":
+                return int(fields[0]) / int(fields[1])
+            return None
+        q, p = base / "cpu.cfs_quota_us", base / "cpu.cfs_period_us"
+        if q.is_file() and p.is_file():
+            quota = int(q.read_text())
+            return None if quota <= 0 else quota / int(p.read_text())
+    return None
+
+
+def cgroup_memory_limit(root: Path = _CGROUP) -> int | None:
+    """The memory limit of this process's cgroup in bytes, or None when unlimited."""
+    for base in _cgroup_dirs(root, "memory"):
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            f = base / name
+            if f.is_file():
+                text = f.read_text().strip()
+                if text == "max":
+                    return None
+                value = int(text)
+                # cgroup v1 reports "unlimited" as a huge page-aligned number.
+                return None if value >= 2**60 else value
+    return None
+
+
+def _cgroup_dirs(root: Path, controller: str) -> list[Path]:
+    """This process's cgroup directories for ``controller``, most specific first."""
+    dirs: list[Path] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return dirs
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "" or controller in controllers.split(","):
+            base = root if controllers == "" else root / controller
+            if not base.is_dir() and controllers:
+                base = root / controllers
+            dirs.append(base / path.lstrip("/"))
+            dirs.append(base)
+    return dirs
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, as the OS reports it."""
+    if sys.platform.startswith("linux"):
+        try:
+            info = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            info = ""
+        for key in ("model name", "Hardware", "Model", "cpu model"):
+            for line in info.splitlines():
+                if line.startswith(key) and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    elif sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=2,
+            )
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _cpu_flags() -> frozenset[str]:
+    if not sys.platform.startswith("linux"):
+        return frozenset()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in info.splitlines():
+        if line.startswith(("flags", "Features")) and ":" in line:
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _native_bf16(flags: frozenset[str]) -> bool | None:
+    """Native bf16 arithmetic: AVX512-BF16 or AMX on x86, the BF16 extension on Arm."""
+    if flags:
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        # Apple M2 and later implement FEAT_BF16; M1 does not.
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
+                capture_output=True,
+                text=True,
+                timeout=2,
+            )
+            return out.stdout.strip() == "1"
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return None
+
+
+def _cpu_temperature(psutil: Any) -> float | None:
+    reader = getattr(psutil, "sensors_temperatures", None)
+    if reader is None:
+        return None
+    try:
+        sensors = reader()
+    except (OSError, RuntimeError):
+        return None
+    for chip in ("coretemp", "k10temp", "zenpower", "cpu_thermal", "acpitz"):
+        if sensors.get(chip):
+            return float(sensors[chip][0].current)
+    return None

@@ -1,0 +1,464 @@
+"""NVIDIA GPUs: which ones CUDA shows this process, under which index, read without CUDA.
+
+CUDA numbers GPUs differently from nvidia-smi. nvidia-smi (NVML) lists them in PCI bus
+order; CUDA lists them in ``CUDA_DEVICE_ORDER`` order (``FASTEST_FIRST`` unless set to
+``PCI_BUS_ID``), then keeps those ``CUDA_VISIBLE_DEVICES`` names, in the order it names them.
+:func:`visible_devices` applies those rules to NVML's records, so ``cuda:N`` is known
+before CUDA is initialised. When CUDA is already initialised, torch's own UUIDs confirm
+the mapping.
+
+Rules applied (CUDA's documented behaviour, as torch's own NVML-based count reads it):
+
+* An entry is an index (into CUDA's order), a UUID or a unique UUID prefix (``GPU-8932f9``),
+  or a MIG device (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``).
+* The first invalid entry (``-1``, an index past the end, an unknown or ambiguous UUID)
+  hides it and every entry after it.
+* A repeated entry makes no GPU visible.
+* A GPU in MIG mode is not a CUDA device itself; its MIG devices are, and one CUDA process
+  enumerates a single MIG device (the first visible one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anydevice.backends import nvml
+from anydevice.backends.base import Backend, Probe
+from anydevice.backends.nvml import GpuRecord, NvmlUnavailable
+from anydevice.inventory import DeviceInfo, HostInfo
+
+__all__ = [
+    "CudaBackend",
+    "Visibility",
+    "cuda_built",
+    "cuda_wheel_command",
+    "driver_initialized",
+    "visible_devices",
+]
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """The GPUs CUDA shows this process, in ``cuda:N`` order, and how sure that order is."""
+
+    devices: tuple[GpuRecord, ...]
+    guessed: bool = False  #: the order is CUDA's unspecified FASTEST_FIRST heuristic
+    ignored: tuple[str, ...] = ()  #: CUDA_VISIBLE_DEVICES entries CUDA ignores
+    notes: tuple[str, ...] = ()
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA (or ROCm, which torch also calls ``cuda``)."""
+    return bool(torch.version.cuda or getattr(torch.version, "hip", None))
+
+
+def driver_initialized() -> bool:
+    """Whether this process has already initialised the CUDA driver (``cuInit``).
+
+    ``torch.cuda.is_initialized()`` is not enough: ``torch.cuda.is_available()`` runs
+    ``cuInit`` without initialising torch's CUDA state, and from then on
+    ``CUDA_VISIBLE_DEVICES`` is fixed and ``fork`` is unsafe. The driver answers
+    ``cuDeviceGetCount`` with ``CUDA_ERROR_NOT_INITIALIZED`` until ``cuInit`` ran; asking
+    initialises nothing.
+    """
+    if not cuda_built():
+        return False
+    if torch.cuda.is_initialized():
+        return True
+    if not sys.platform.startswith("linux"):
+        return False  # without /proc/self/maps, trust torch's own flag
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    if "libcuda.so" not in maps:
+        return False  # the driver library is not even loaded
+    lib = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_int(0)
+    return int(lib.cuDeviceGetCount(ctypes.byref(count))) != _CUDA_ERROR_NOT_INITIALIZED
+
+
+def visible_devices(
+    gpus: Sequence[GpuRecord], cuda_visible: str | None, device_order: str | None = None
+) -> Visibility:
+    """Which of NVML's ``gpus`` CUDA shows, in ``cuda:N`` order.
+
+    Args:
+        gpus: physical GPUs as NVML lists them (nvidia-smi order), MIG devices inside.
+        cuda_visible: the value of ``CUDA_VISIBLE_DEVICES``, None when unset.
+        device_order: the value of ``CUDA_DEVICE_ORDER``, None when unset.
+
+    >>> a = GpuRecord(smi_index=0, uuid="GPU-aaaa", name="A", pci_bus_id="0000:01:00.0")
+    >>> b = GpuRecord(smi_index=1, uuid="GPU-bbbb", name="A", pci_bus_id="0000:02:00.0")
+    >>> [g.smi_index for g in visible_devices([a, b], "1,0").devices]
+    [1, 0]
+    """
+    notes: list[str] = []
+    physical, guessed = _cuda_order(gpus, device_order, notes)
+    if cuda_visible is None:
+        chosen = [d for g in physical for d in _expand(g, notes)]
+        ignored: list[str] = []
+    else:
+        chosen, ignored, by_uuid = _apply_visible(physical, cuda_visible, notes)
+        if by_uuid:
+            guessed = False  # UUIDs fix the order whatever CUDA_DEVICE_ORDER says
+    chosen = _one_mig_device(chosen, notes)
+    return Visibility(tuple(chosen), guessed, tuple(ignored), tuple(notes))
+
+
+def _pci_key(g: GpuRecord) -> tuple[str, int]:
+    return ((g.pci_bus_id or "").lower(), g.smi_index)
+
+
+def _cuda_order(
+    gpus: Sequence[GpuRecord], device_order: str | None, notes: list[str]
+) -> tuple[list[GpuRecord], bool]:
+    by_pci = sorted(gpus, key=_pci_key)
+    order = (device_order or "FASTEST_FIRST").strip().upper()
+    if order not in ("FASTEST_FIRST", "PCI_BUS_ID"):
+        notes.append(
+            f"CUDA_DEVICE_ORDER={device_order!r} is not FASTEST_FIRST or PCI_BUS_ID; "
+            "CUDA uses FASTEST_FIRST."
+        )
+        order = "FASTEST_FIRST"
+    if order == "PCI_BUS_ID" or len({g.name for g in gpus}) <= 1:
+        return by_pci, False
+    # FASTEST_FIRST with different models: CUDA puts the one it guesses fastest first and
+    # leaves the rest unspecified. Guess by compute capability, then size.
+    fastest = sorted(
+        by_pci,
+        key=lambda g: (g.compute_capability or (0, 0), g.multiprocessors or 0, g.memory_total or 0),
+        reverse=True,
+    )
+    # sorted() is stable with reverse=True as well: equal keys keep PCI order.
+    names = ", ".join(sorted({g.name for g in gpus}))
+    notes.append(
+        f"CUDA_DEVICE_ORDER is {order} and the GPUs differ ({names}): CUDA numbers them "
+        "fastest first by its own heuristic, so cuda:N may not be nvidia-smi's GPU N. "
+        "Set CUDA_DEVICE_ORDER=PCI_BUS_ID to make the two agree."
+    )
+    return fastest, True
+
+
+def _expand(g: GpuRecord, notes: list[str]) -> list[GpuRecord]:
+    if not g.mig_enabled:
+        return [g]
+    if not g.mig_devices:
+        notes.append(
+            f"GPU {g.smi_index} ({g.name}) is in MIG mode but has no MIG devices: CUDA cannot "
+            "use it. Create instances (nvidia-smi mig -cgi ... -C) or disable MIG mode."
+        )
+    return list(g.mig_devices)
+
+
+def _strtoul(text: str) -> int | None:
+    """The integer ``text`` starts with, as CUDA reads it (``"1gpu"`` is 1); None if none."""
+    digits = ""
+    for i, c in enumerate(text):
+        if c.isdigit() or (i == 0 and c in "+-"):
+            digits += c
+        else:
+            break
+    if digits in ("", "+", "-"):
+        return None
+    return int(digits)
+
+
+def _apply_visible(
+    physical: list[GpuRecord], cuda_visible: str, notes: list[str]
+) -> tuple[list[GpuRecord], list[str], bool]:
+    entries = cuda_visible.split(",")
+    chosen: list[GpuRecord] = []
+    seen: set[str] = set()
+    by_uuid = True
+    for pos, raw in enumerate(entries):
+        entry = raw.strip()
+        found = _lookup(physical, entry)
+        if isinstance(found, str):
+            rest = entries[pos:]
+            notes.append(
+                f"CUDA_VISIBLE_DEVICES={cuda_visible!r}: entry {entry!r} {found}, so CUDA "
+                f"ignores it and everything after it ({','.join(rest)!r})."
+            )
+            return chosen, rest, by_uuid and bool(chosen)
+        records, is_uuid = found
+        by_uuid = by_uuid and is_uuid
+        for rec in records:
+            if rec.uuid in seen:
+                notes.append(
+                    f"CUDA_VISIBLE_DEVICES={cuda_visible!r} names {rec.uuid} twice: CUDA then "
+                    "shows no GPU at all. List each GPU once."
+                )
+                return [], entries, False
+            seen.add(rec.uuid)
+        chosen.extend(_expand_all(records, notes))
+    return chosen, [], by_uuid
+
+
+def _expand_all(records: list[GpuRecord], notes: list[str]) -> list[GpuRecord]:
+    return [d for r in records for d in _expand(r, notes)]
+
+
+def _lookup(physical: list[GpuRecord], entry: str) -> tuple[list[GpuRecord], bool] | str:
+    """The records one CUDA_VISIBLE_DEVICES entry names, or why it names none."""
+    low = entry.lower()
+    if low.startswith("mig-gpu-"):  # MIG-GPU-<parent uuid>/<gi>/<ci>
+        parent, _, rest = entry[4:].partition("/")
+        gi, _, ci = rest.partition("/")
+        for g in _prefix_matches(physical, parent):
+            for m in g.mig_devices:
+                if str(m.mig_gi) == gi and str(m.mig_ci) == ci:
+                    return [m], True
+        return "matches no MIG device here"
+    if low.startswith("mig-"):
+        migs = [m for g in physical for m in g.mig_devices]
+        matches = _prefix_matches(migs, entry)
+        if len(matches) == 1:
+            return matches, True
+        return "matches no MIG device here" if not matches else "is an ambiguous UUID prefix"
+    if low.startswith("gpu-"):
+        matches = _prefix_matches(physical, entry)
+        if len(matches) == 1:
+            return matches, True
+        return "matches no GPU here" if not matches else "is an ambiguous UUID prefix"
+    index = _strtoul(entry)
+    if index is None:
+        return "is not an index or a UUID"
+    if index < 0:
+        return "is negative"
+    if index >= len(physical):
+        return f"is past the last GPU (there are {len(physical)})"
+    return [physical[index]], False
+
+
+def _prefix_matches(records: Sequence[GpuRecord], prefix: str) -> list[GpuRecord]:
+    p = prefix.lower()
+    return [r for r in records if r.uuid.lower().startswith(p)]
+
+
+def _one_mig_device(chosen: list[GpuRecord], notes: list[str]) -> list[GpuRecord]:
+    migs = [d for d in chosen if d.mig_parent is not None]
+    if len(migs) <= 1:
+        return chosen
+    keep = migs[0]
+    notes.append(
+        f"{len(migs)} MIG devices are visible, but a CUDA process enumerates only one: "
+        f"{keep.uuid}. Give each process its own with CUDA_VISIBLE_DEVICES=MIG-<uuid>."
+    )
+    return [d for d in chosen if d.mig_parent is None or d is keep]
+
+
+def _uuid_key(uuid: str) -> str:
+    u = uuid.lower()
+    for prefix in ("gpu-", "mig-"):
+        if u.startswith(prefix):
+            u = u[len(prefix) :]
+    return u
+
+
+def _confirm_with_torch(vis: Visibility) -> Visibility:
+    """Once torch has initialised CUDA anyway, read the true order from its UUIDs."""
+    try:
+        torch_uuids = [
+            _uuid_key(str(torch.cuda.get_device_properties(i).uuid))
+            for i in range(torch.cuda.device_count())
+        ]
+    except (RuntimeError, AttributeError):
+        return vis
+    records = {_uuid_key(d.uuid): d for d in vis.devices}
+    if [_uuid_key(d.uuid) for d in vis.devices] == torch_uuids:
+        return Visibility(vis.devices, False, vis.ignored, vis.notes)
+    if all(u in records for u in torch_uuids):
+        notes = (*vis.notes, "CUDA's order differs from the one read from NVML; using CUDA's.")
+        return Visibility(tuple(records[u] for u in torch_uuids), False, vis.ignored, notes)
+    return vis
+
+
+def _info(index: int, r: GpuRecord, guessed: bool) -> DeviceInfo:
+    modern = None if r.compute_capability is None else r.compute_capability >= (8, 0)
+    return DeviceInfo(
+        kind="cuda",
+        index=index,
+        name=r.name,
+        uuid=r.uuid,
+        pci_bus_id=r.pci_bus_id,
+        smi_index=r.smi_index,
+        memory_total=r.memory_total,
+        memory_free=r.memory_free,
+        memory_used=r.memory_used,
+        compute_capability=r.compute_capability,
+        multiprocessors=r.multiprocessors,
+        bf16=modern,
+        tf32=modern,
+        utilization=r.utilization,
+        temperature=r.temperature,
+        power=r.power,
+        power_limit=r.power_limit,
+        pcie_generation=r.pcie_generation,
+        pcie_width=r.pcie_width,
+        processes=r.processes,
+        mig_parent=r.mig_parent,
+        index_guessed=guessed,
+        notes=r.notes,
+    )
+
+
+class CudaBackend(Backend):
+    kind = "cuda"
+    label = "CUDA"
+    is_gpu = True
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = environ
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return os.environ if self._environ is None else self._environ
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        host: dict[str, Any] = {}
+        notes: list[str] = []
+        driver: nvml.DriverInfo | None = None
+        try:
+            driver = nvml.read(telemetry=telemetry)
+        except NvmlUnavailable as e:
+            reason = str(e)
+            if cuda_built() or nvml.driver_present():
+                notes.append(f"{reason}.")
+        if driver is not None:
+            host.update(
+                driver=driver.driver, driver_cuda=driver.driver_cuda, nvidia_gpus=len(driver.gpus)
+            )
+        elif nvml.driver_present():
+            host["nvidia_gpus"] = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
+        else:
+            host["nvidia_gpus"] = 0 if sys.platform.startswith("linux") else None
+        if not cuda_built():
+            return Probe(host=host, notes=tuple(notes))
+        if telemetry:
+            host.update(_library_versions())
+        if driver is None:
+            devices, more = self._probe_with_torch()
+            return Probe(devices=devices, host=host, notes=(*notes, *more))
+        vis = visible_devices(
+            driver.gpus,
+            self.environ.get("CUDA_VISIBLE_DEVICES"),
+            self.environ.get("CUDA_DEVICE_ORDER"),
+        )
+        if torch.cuda.is_initialized():
+            vis = _confirm_with_torch(vis)
+        devices = tuple(_info(i, r, vis.guessed) for i, r in enumerate(vis.devices))
+        return Probe(devices=devices, host=host, notes=(*notes, *vis.notes))
+
+    def _probe_with_torch(self) -> tuple[tuple[DeviceInfo, ...], list[str]]:
+        """Without NVML, ask torch. This initialises CUDA in this process; the notes say so."""
+        already = driver_initialized()
+        count = torch.cuda.device_count()
+        devices = []
+        for i in range(count):
+            p = torch.cuda.get_device_properties(i)
+            cc = (int(p.major), int(p.minor))
+            modern = cc >= (8, 0) and not getattr(torch.version, "hip", None)
+            devices.append(
+                DeviceInfo(
+                    kind="cuda",
+                    index=i,
+                    name=str(p.name),
+                    uuid=_torch_uuid(p),
+                    memory_total=int(p.total_memory),
+                    compute_capability=cc,
+                    multiprocessors=int(p.multi_processor_count),
+                    bf16=modern,
+                    tf32=modern,
+                    notes=(
+                        "free memory, utilisation, temperature, power and processes "
+                        "unknown without NVML",
+                    ),
+                )
+            )
+        notes = [
+            "Devices were read from torch instead of NVML: free memory and telemetry are "
+            "unknown, and nvidia-smi indices cannot be matched."
+        ]
+        if not already and count:
+            notes.append(
+                "Reading them initialised CUDA in this process: CUDA_VISIBLE_DEVICES can no "
+                "longer change here, and fork() is no longer safe."
+            )
+        return tuple(devices), notes
+
+    def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        env = self.environ
+        if not cuda_built():
+            if host is not None and host.nvidia_gpus:
+                return (
+                    f"this torch ({torch.__version__}) is a CPU-only build, although "
+                    f"{host.nvidia_gpus} NVIDIA GPU(s) are in this machine. Install a CUDA build: "
+                    f"{cuda_wheel_command(host.driver_cuda)}"
+                )
+            return f"there is no NVIDIA GPU here (and torch {torch.__version__} is CPU-only)."
+        cvd = env.get("CUDA_VISIBLE_DEVICES")
+        if cvd is not None and not cvd.strip():
+            return "CUDA_VISIBLE_DEVICES is set to '' and hides every GPU; unset it."
+        if cvd is not None:
+            return f"CUDA_VISIBLE_DEVICES={cvd!r} leaves no GPU visible; run `anydevice info`."
+        return "no NVIDIA GPU is visible (no driver, or no GPU in this machine or container)."
+
+
+#: CUDA variants of the official torch wheels, newest last.
+_WHEEL_CUDA = ((11, 8), (12, 1), (12, 4), (12, 6), (12, 8), (12, 9), (13, 0))
+
+
+def cuda_wheel_command(driver_cuda: str | None) -> str:
+    """The pip command for the newest official CUDA wheel this driver can run.
+
+    >>> cuda_wheel_command("12.4")
+    'pip install torch --index-url https://download.pytorch.org/whl/cu124'
+    """
+    best = _WHEEL_CUDA[-2]
+    if driver_cuda:
+        major, _, minor = driver_cuda.partition(".")
+        have = (int(major), int(minor or 0))
+        fitting = [v for v in _WHEEL_CUDA if v <= have]
+        best = fitting[-1] if fitting else _WHEEL_CUDA[0]
+    return f"pip install torch --index-url https://download.pytorch.org/whl/cu{best[0]}{best[1]}"
+
+
+def _torch_uuid(props: Any) -> str | None:
+    uuid = getattr(props, "uuid", None)
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.upper().startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def _cudnn_text(v: int) -> str:
+    """cuDNN 9 encodes 9.1.0 as 90100; cuDNN 8 encoded 8.9.2 as 8902."""
+    if v >= 90000:
+        return f"{v // 10000}.{(v % 10000) // 100}.{v % 100}"
+    return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
+
+
+def _library_versions() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        v = torch.backends.cudnn.version()
+        out["cudnn"] = None if v is None else _cudnn_text(int(v))
+    except (RuntimeError, OSError):
+        out["cudnn"] = None
+    try:
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    except (RuntimeError, AttributeError, OSError):
+        out["nccl"] = None
+    return out

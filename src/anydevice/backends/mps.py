@@ -1,0 +1,51 @@
+"""Apple silicon GPUs through Metal Performance Shaders (``torch.backends.mps``)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import torch
+
+from anydevice.backends.base import Backend, Probe
+from anydevice.inventory import DeviceInfo, HostInfo
+
+__all__ = ["MpsBackend"]
+
+
+class MpsBackend(Backend):
+    kind = "mps"
+    label = "Apple MPS"
+    is_gpu = True
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        if not torch.backends.mps.is_available():
+            return Probe()
+        import psutil
+
+        from anydevice.backends.cpu import cpu_model
+
+        vm = psutil.virtual_memory()
+        # Unified memory: the GPU may use up to Metal's recommended working set.
+        total = int(torch.mps.recommended_max_memory()) or vm.total
+        used = int(torch.mps.driver_allocated_memory())
+        bf16 = torch.backends.mps.is_macos_or_newer(14, 0)
+        device = DeviceInfo(
+            kind="mps",
+            index=0,
+            name=f"{cpu_model()} GPU",
+            memory_total=total,
+            memory_free=min(vm.available, total - used),
+            memory_used=used,
+            bf16=bf16,
+            tf32=False,
+            notes=("unified memory shared with the CPU; utilisation and temperature unknown",),
+        )
+        return Probe(devices=(device,))
+
+    def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        if sys.platform != "darwin":
+            return f"MPS exists only on Apple silicon Macs; this is {platform.system()}."
+        if not torch.backends.mps.is_built():
+            return f"this torch ({torch.__version__}) was built without MPS support."
+        return "MPS needs macOS 12.3 or later on an Apple silicon (M-series) Mac."

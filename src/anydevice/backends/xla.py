@@ -1,0 +1,74 @@
+"""TPUs (and other XLA devices) through ``torch_xla``, imported only when installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from anydevice.backends.base import Backend, Probe
+from anydevice.inventory import DeviceInfo, HostInfo
+
+__all__ = ["XlaBackend", "installed"]
+
+
+def installed() -> bool:
+    """Whether ``torch_xla`` can be imported (checked without importing it)."""
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+class XlaBackend(Backend):
+    kind = "xla"
+    label = "XLA (TPU)"
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        if not installed():
+            return Probe()
+        try:
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            import torch_xla.runtime as xr
+        except ImportError as e:  # installed but broken (mismatched torch, missing libtpu)
+            return Probe(notes=(f"torch_xla is installed but does not import: {e}",))
+        try:
+            kind = str(xr.device_type())
+            count = int(xr.global_runtime_device_count())
+        except RuntimeError as e:  # PJRT found no device (no TPU, PJRT_DEVICE unset)
+            return Probe(notes=(f"torch_xla found no device: {e}",))
+        devices = []
+        for i in range(count):
+            total = free = None
+            if telemetry:
+                total, free = _memory(xm, torch_xla, i)
+            devices.append(
+                DeviceInfo(
+                    kind="xla",
+                    index=i,
+                    name=f"XLA {kind}",
+                    memory_total=total,
+                    memory_free=free,
+                    memory_used=None if total is None or free is None else total - free,
+                    bf16=kind == "TPU" or None,
+                    tf32=False,
+                )
+            )
+        notes = () if count else ("torch_xla is installed but reports no device",)
+        return Probe(devices=tuple(devices), notes=notes)
+
+    def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        if not installed():
+            return (
+                "torch_xla is not installed. On a TPU VM: pip install 'torch_xla[tpu]' "
+                "(its version must match torch's)."
+            )
+        return "torch_xla reports no device (is PJRT_DEVICE set, e.g. PJRT_DEVICE=TPU?)."
+
+
+def _memory(xm: Any, torch_xla: Any, index: int) -> tuple[int | None, int | None]:
+    try:
+        info = xm.get_memory_info(torch_xla.device(index))
+    except (RuntimeError, AttributeError, TypeError):
+        return None, None
+    limit, used = info.get("bytes_limit"), info.get("bytes_used")
+    if limit is None:
+        return None, None
+    return int(limit), None if used is None else int(limit) - int(used)

@@ -1,0 +1,54 @@
+"""Intel GPUs through ``torch.xpu``."""
+
+from __future__ import annotations
+
+import torch
+
+from anydevice.backends.base import Backend, Probe
+from anydevice.inventory import DeviceInfo, HostInfo
+
+__all__ = ["XpuBackend"]
+
+
+class XpuBackend(Backend):
+    kind = "xpu"
+    label = "Intel XPU"
+    is_gpu = True
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            return Probe()
+        devices = []
+        for i in range(xpu.device_count()):
+            p = xpu.get_device_properties(i)
+            free = total = None
+            try:
+                free, total = (int(v) for v in xpu.mem_get_info(i))
+            except (RuntimeError, AttributeError):
+                total = int(getattr(p, "total_memory", 0)) or None
+            uuid = getattr(p, "uuid", None)
+            devices.append(
+                DeviceInfo(
+                    kind="xpu",
+                    index=i,
+                    name=str(p.name),
+                    uuid=None if uuid is None else str(uuid),
+                    memory_total=total,
+                    memory_free=free,
+                    memory_used=None if free is None or total is None else total - free,
+                    multiprocessors=getattr(p, "gpu_subslice_count", None),
+                    bf16=bool(xpu.is_bf16_supported()),
+                    tf32=bool(getattr(p, "has_fp32_dpas", False)) or None,
+                    notes=("utilisation, temperature and power unknown (no telemetry library)",),
+                )
+            )
+        return Probe(devices=tuple(devices))
+
+    def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        if not getattr(getattr(torch, "xpu", None), "_is_compiled", lambda: False)():
+            return (
+                f"this torch ({torch.__version__}) was built without XPU support; install an "
+                "XPU build: pip install torch --index-url https://download.pytorch.org/whl/xpu"
+            )
+        return "no Intel GPU is visible to torch (driver or oneAPI runtime missing?)."
