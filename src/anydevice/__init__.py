@@ -1,0 +1,48 @@
+"""anydevice: run PyTorch code on any device, fast and correctly.
+
+>>> import anydevice as ad
+>>> ad.device("cpu")
+device(type='cpu')
+
+The public API is what ``__all__`` lists; everything else is private.
+"""
+
+from __future__ import annotations
+
+from anydevice._version import __version__
+from anydevice.errors import (
+    AnydeviceError,
+    DeviceNotFoundError,
+    DeviceSpecError,
+    VisibilityError,
+)
+from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
+from anydevice.selection import (
+    DeviceLike,
+    describe,
+    device,
+    devices,
+    restrict_visible,
+    try_all_gpus,
+    try_gpu,
+)
+
+__all__ = [
+    "AnydeviceError",
+    "DeviceInfo",
+    "DeviceLike",
+    "DeviceNotFoundError",
+    "DeviceSpecError",
+    "HostInfo",
+    "Inventory",
+    "ProcessInfo",
+    "VisibilityError",
+    "__version__",
+    "describe",
+    "device",
+    "devices",
+    "inventory",
+    "restrict_visible",
+    "try_all_gpus",
+    "try_gpu",
+]

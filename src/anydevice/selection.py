@@ -1,0 +1,605 @@
+"""Which device: the spec grammar and the policies that turn a spec into a ``torch.device``.
+
+Grammar (case-insensitive)::
+
+    auto | cpu | gpu[:i] | cuda[:i] | mps | xpu[:i] | xla[:i] | tpu[:i] | free | int | torch.device
+
+* ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS), else the CPU. Under a
+  launcher (``LOCAL_RANK`` set) it is this rank's GPU. ``ANYDEVICE_DEVICE=<spec>`` overrides it.
+* ``gpu[:i]`` / an int: the i-th GPU of whatever kind this machine has (CUDA, XPU or MPS).
+* ``cuda:i`` uses CUDA's index, the one torch uses, which is not always nvidia-smi's.
+* ``free``: the GPU with the most free memory (ties: lower utilisation, then lower index),
+  read from NVML without creating a CUDA context.
+
+The policies (:func:`select`, :func:`select_all`) are pure functions of an
+:class:`~anydevice.inventory.Inventory`; :func:`device` and friends read this machine's
+inventory and call them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
+from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, Inventory, format_bytes, inventory
+
+__all__ = [
+    "DeviceLike",
+    "Spec",
+    "describe",
+    "device",
+    "devices",
+    "parse_size",
+    "parse_spec",
+    "restrict_visible",
+    "select",
+    "select_all",
+    "try_all_gpus",
+    "try_gpu",
+    "try_gpu_in",
+    "visible_value",
+]
+
+logger = logging.getLogger("anydevice")
+
+#: What every function that takes a device accepts.
+DeviceLike = torch.device | str | int
+
+_KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
+_ALIASES = {"tpu": "xla"}
+_GPU_KINDS = ("cuda", "xpu", "mps")
+_INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A parsed device spec: ``Spec("cuda", 1)`` for ``"cuda:1"``."""
+
+    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free or meta
+    index: int | None = None
+    text: str = ""  #: as the caller wrote it, for messages
+    source: str = "argument"  #: or "ANYDEVICE_DEVICE"
+
+    def __str__(self) -> str:
+        return self.text or (self.kind if self.index is None else f"{self.kind}:{self.index}")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``8 * 2**30``, ``"8GiB"``, ``"8G"`` (binary) or ``"8GB"`` (decimal).
+
+    >>> parse_size("8GiB") == parse_size("8G") == 8 * 2**30
+    True
+    >>> parse_size("1.5 GB")
+    1500000000
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"a memory size cannot be a bool (got {value!r})")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"a memory size cannot be negative (got {value!r})")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a memory size; write e.g. '8GiB', '512MiB', '8GB' "
+            "or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
+    """Parse a device spec without looking at the hardware.
+
+    >>> parse_spec("CUDA:1")
+    Spec(kind='cuda', index=1, text='CUDA:1', source='argument')
+    >>> parse_spec(2).kind, parse_spec("tpu").kind
+    ('gpu', 'xla')
+
+    Raises:
+        DeviceSpecError: malformed text (``"cuda:x"``, ``"gpu:-1"``, ``"cuda:0,1"``).
+        TypeError: not a str, int or torch.device.
+    """
+    if isinstance(spec, torch.device):
+        return Spec(_check_kind(spec.type, str(spec), source), spec.index, str(spec), source)
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise TypeError(
+            f"a device spec is a str, int or torch.device, not {type(spec).__name__} ({spec!r})"
+        )
+    if isinstance(spec, int):
+        if spec < 0:
+            raise DeviceSpecError(f"GPU index {spec} is negative; indices start at 0.")
+        return Spec("gpu", spec, str(spec), source)
+    text = spec.strip().lower()
+    origin = "" if source == "argument" else f" (from {source})"
+    if "," in text:
+        raise DeviceSpecError(
+            f"{spec!r}{origin} names several devices, but one is wanted here. Use "
+            f"ad.devices({spec!r}) for a list, or ad.restrict_visible({spec!r}) to hide the rest."
+        )
+    if text.isdigit():
+        return Spec("gpu", int(text), spec, source)
+    kind, sep, index_text = text.partition(":")
+    kind = _check_kind(_ALIASES.get(kind, kind), spec, source)
+    if not sep:
+        return Spec(kind, None, spec, source)
+    if not re.fullmatch(r"[+-]?\d+", index_text.strip()):
+        raise DeviceSpecError(
+            f"{spec!r}{origin}: the index after ':' must be a whole number, as in '{kind}:0'."
+        )
+    index = int(index_text)
+    if index < 0:
+        raise DeviceSpecError(f"{spec!r}{origin}: device index {index} is negative; use {kind}:0.")
+    if kind == "cpu":
+        if index != 0:
+            raise DeviceSpecError(f"{spec!r}{origin}: there is one CPU device; use 'cpu'.")
+        return Spec("cpu", None, spec, source)
+    if kind not in _INDEXED:
+        raise DeviceSpecError(f"{spec!r}{origin}: '{kind}' takes no index; use '{kind}'.")
+    return Spec(kind, index, spec, source)
+
+
+def _check_kind(kind: str, spec: object, source: str) -> str:
+    if kind in _KINDS:
+        return kind
+    close = difflib.get_close_matches(kind, [*_KINDS, "tpu"], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    origin = "" if source == "argument" else f" (from {source})"
+    raise DeviceSpecError(
+        f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
+        "mps, xpu[:i], xla[:i], free, an int, or a torch.device."
+    )
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def select(
+    spec: Spec,
+    inv: Inventory,
+    *,
+    need_memory: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> DeviceInfo:
+    """The one device ``spec`` names in ``inv`` (pure: reads nothing else but ``environ``).
+
+    Raises:
+        DeviceNotFoundError: no such device here, or none with ``need_memory`` free.
+    """
+    env = os.environ if environ is None else environ
+    kind = spec.kind
+    if kind == "meta":
+        return DeviceInfo(kind="meta", index=None, name="meta (no data)")
+    if kind == "cpu":
+        return _check_memory(inv.cpu, need_memory, inv, spec)
+    if kind == "auto":
+        return _auto(inv, need_memory, env, spec)
+    if kind == "free":
+        return _freest(inv, need_memory, spec)
+    target = _gpu_kind(inv) if kind == "gpu" else kind
+    candidates = inv.of_kind(target) if target else ()
+    if not candidates:
+        raise DeviceNotFoundError(_missing_kind_message(spec, inv))
+    if spec.index is None:
+        if need_memory is None:
+            return candidates[0]
+        return _first_fitting(candidates, need_memory, inv, spec)
+    if spec.index >= len(candidates):
+        raise DeviceNotFoundError(_index_message(spec, candidates, inv, env))
+    return _check_memory(candidates[spec.index], need_memory, inv, spec)
+
+
+def select_all(spec: Spec, inv: Inventory) -> list[DeviceInfo]:
+    """Every device ``spec`` covers: ``cuda`` gives all CUDA devices; ``gpu`` all GPUs or
+    the CPU when there is none; ``auto`` all devices of the best accelerator, else the CPU;
+    ``free`` all GPUs, most free memory first."""
+    if spec.index is not None or spec.kind in ("cpu", "meta"):
+        return [select(spec, inv)]
+    if spec.kind == "auto":
+        for kind in ACCELERATOR_KINDS:
+            if inv.of_kind(kind):
+                return list(inv.of_kind(kind))
+        return [inv.cpu]
+    if spec.kind == "gpu":
+        gpus = _gpus(inv)
+        return list(gpus) if gpus else [inv.cpu]
+    if spec.kind == "free":
+        return sorted(_gpus(inv), key=_free_key) or [select(spec, inv)]
+    found = inv.of_kind(spec.kind)
+    if not found:
+        raise DeviceNotFoundError(_missing_kind_message(spec, inv))
+    return list(found)
+
+
+def _gpu_kind(inv: Inventory) -> str | None:
+    for kind in _GPU_KINDS:
+        if inv.of_kind(kind):
+            return kind
+    return None
+
+
+def _gpus(inv: Inventory) -> tuple[DeviceInfo, ...]:
+    kind = _gpu_kind(inv)
+    return inv.of_kind(kind) if kind else ()
+
+
+def _auto(inv: Inventory, need: int | None, env: Mapping[str, str], spec: Spec) -> DeviceInfo:
+    for kind in ACCELERATOR_KINDS:
+        found = inv.of_kind(kind)
+        if not found:
+            continue
+        if need is not None:
+            return _first_fitting(found, need, inv, spec)
+        local_rank = env.get("LOCAL_RANK", "").strip()
+        if local_rank.isdigit():
+            rank = int(local_rank)
+            if rank >= len(found):
+                logger.warning(
+                    "LOCAL_RANK=%d but only %d %s device(s) are visible: ranks share devices "
+                    "(rank %d uses %s).",
+                    rank,
+                    len(found),
+                    kind,
+                    rank,
+                    found[rank % len(found)].spec,
+                )
+            return found[rank % len(found)]
+        return found[0]
+    return _check_memory(inv.cpu, need, inv, spec)
+
+
+def _free_key(d: DeviceInfo) -> tuple[float, float, int]:
+    free = d.memory_free if d.memory_free is not None else -1
+    util = d.utilization if d.utilization is not None else 0.0
+    return (-free, util, d.index or 0)
+
+
+def _freest(inv: Inventory, need: int | None, spec: Spec) -> DeviceInfo:
+    gpus = _gpus(inv)
+    if not gpus:
+        raise DeviceNotFoundError(_missing_kind_message(spec, inv))
+    unknown = [d.spec for d in gpus if d.memory_free is None]
+    if unknown:
+        raise DeviceNotFoundError(
+            f"'free' needs each GPU's free memory, but it is unknown for {', '.join(unknown)}"
+            f"{_why_unknown(inv)}. Name a device instead, e.g. '{gpus[0].spec}'."
+        )
+    best = min(gpus, key=_free_key)
+    return _check_memory(best, need, inv, spec)
+
+
+def _first_fitting(
+    candidates: Sequence[DeviceInfo], need: int, inv: Inventory, spec: Spec
+) -> DeviceInfo:
+    for d in candidates:
+        if _fits(d, need, inv, spec):
+            return d
+    raise DeviceNotFoundError(_memory_message(candidates, need, spec))
+
+
+def _check_memory(d: DeviceInfo, need: int | None, inv: Inventory, spec: Spec) -> DeviceInfo:
+    if need is None or _fits(d, need, inv, spec):
+        return d
+    raise DeviceNotFoundError(_memory_message([d], need, spec))
+
+
+def _fits(d: DeviceInfo, need: int, inv: Inventory, spec: Spec) -> bool:
+    if d.memory_free is None:
+        raise DeviceNotFoundError(
+            f"Cannot check need_memory={format_bytes(need)} for {spec}: the free memory of "
+            f"{d.spec} is unknown{_why_unknown(inv)}. Drop need_memory, or fix what hides it."
+        )
+    return d.memory_free >= need
+
+
+def _why_unknown(inv: Inventory) -> str:
+    nvml_notes = [n for n in inv.notes if "NVML" in n]
+    return f" ({nvml_notes[0].rstrip('.')})" if nvml_notes else ""
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def _listing(inv: Inventory) -> str:
+    accels = inv.accelerators
+    if not accels:
+        return "This machine has only the CPU."
+    parts = []
+    for d in accels:
+        smi = f", nvidia-smi {d.smi_index}" if d.smi_index not in (None, d.index) else ""
+        parts.append(f"{d.spec} {d.name!r}{smi}")
+    return f"Here: {'; '.join(parts)}."
+
+
+def _missing_kind_message(spec: Spec, inv: Inventory) -> str:
+    from anydevice import backends
+
+    origin = "" if spec.source == "argument" else f" (from {spec.source})"
+    if spec.kind in ("gpu", "free"):
+        reason = backends.get("cuda").unavailable_reason(inv.host)
+        return (
+            f"Requested {str(spec)!r}{origin}, but there is no GPU: {reason} "
+            f"{_listing(inv)} Use 'auto' or ad.try_gpu() to fall back to the CPU."
+        )
+    reason = backends.get(spec.kind).unavailable_reason(inv.host)
+    return f"Requested {str(spec)!r}{origin}, but {reason} {_listing(inv)}"
+
+
+def _index_message(
+    spec: Spec, candidates: Sequence[DeviceInfo], inv: Inventory, env: Mapping[str, str]
+) -> str:
+    kind = candidates[0].kind
+    n = len(candidates)
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if kind == "cuda" and cvd is not None else ""
+    names = [d.spec for d in candidates]
+    options = names[0] if n == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
+    origin = "" if spec.source == "argument" else f" (from {spec.source})"
+    device_word = "device is" if n == 1 else "devices are"
+    return (
+        f"Requested {str(spec)!r}{origin}, but {n} {kind.upper()} {device_word} visible{where}. "
+        f"Use {options}, or run `anydevice info` to see what is here."
+    )
+
+
+def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> str:
+    free = ", ".join(
+        f"{d.spec} {format_bytes(d.memory_free)} free of {format_bytes(d.memory_total)}"
+        for d in candidates
+    )
+    return (
+        f"No device for {str(spec)!r} has need_memory={format_bytes(need)} free: {free}. "
+        "Free memory (other processes: `anydevice info`), lower the need, or pick another device."
+    )
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _resolve_auto(spec: DeviceLike) -> Spec:
+    parsed = parse_spec(spec)
+    if parsed.kind == "auto":
+        override = os.environ.get("ANYDEVICE_DEVICE", "").strip()
+        if override:
+            parsed = parse_spec(override, source="ANYDEVICE_DEVICE")
+    return parsed
+
+
+def _inventory_for(spec: Spec, *, telemetry: bool = False) -> Inventory:
+    kinds = ACCELERATOR_KINDS if spec.kind in ("auto", "gpu", "free") else (spec.kind,)
+    return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"))
+
+
+def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> torch.device:
+    """The ``torch.device`` a spec names, checked against what this machine has.
+
+    >>> device("cpu")
+    device(type='cpu')
+    >>> device().type in ("cpu", "cuda", "mps", "xpu", "xla")
+    True
+
+    Args:
+        spec: see the module docstring for the grammar. ``"auto"`` honours
+            ``ANYDEVICE_DEVICE`` and ``LOCAL_RANK``.
+        need_memory: bytes, or text such as ``"8GiB"``: only a device with this much free.
+            Without an index, the first device of the kind that has it.
+
+    Raises:
+        DeviceNotFoundError: no such device here; the message lists what exists.
+        DeviceSpecError: malformed spec.
+    """
+    parsed = _resolve_auto(spec)
+    need = None if need_memory is None else parse_size(need_memory)
+    if need is None and parsed.kind in ("cpu", "meta"):
+        return torch.device(parsed.kind)  # nothing to look up
+    return select(parsed, _inventory_for(parsed), need_memory=need).torch_device
+
+
+def describe(spec: DeviceLike = "auto") -> DeviceInfo:
+    """Everything known about the device a spec names, live readings included.
+
+    >>> describe("cpu").kind
+    'cpu'
+    """
+    parsed = _resolve_auto(spec)
+    return select(parsed, _inventory_for(parsed, telemetry=True))
+
+
+def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.device]:
+    """Every device a spec covers, as ``torch.device`` objects.
+
+    ``"gpu"`` gives all GPUs, or ``[cpu]`` when there is none; ``"cuda"`` all CUDA devices
+    (an error when there is none); ``"cuda:0,2"`` or ``[0, 2]`` those two.
+
+    >>> devices("cpu")
+    [device(type='cpu')]
+    """
+    if isinstance(spec, str) and "," in spec:
+        # "cuda:0,2" -> cuda:0, cuda:2: a bare index takes the kind written before it.
+        kind = "gpu"
+        items: list[DeviceLike] = []
+        for part in (p.strip() for p in spec.split(",")):
+            if part.isdigit():
+                items.append(f"{kind}:{part}")
+            else:
+                kind = part.partition(":")[0] or kind
+                items.append(part)
+        spec = items
+    if isinstance(spec, (list, tuple)):
+        found = [device(s) for s in spec]
+        return list(dict.fromkeys(found))
+    assert isinstance(spec, (str, int, torch.device))
+    parsed = _resolve_auto(spec)
+    if parsed.kind in ("cpu", "meta"):
+        return [torch.device(parsed.kind)]
+    return [d.torch_device for d in select_all(parsed, _inventory_for(parsed))]
+
+
+def try_gpu(i: int = 0) -> torch.device:
+    """GPU ``i`` if it exists, else the CPU (d2l's ``try_gpu``), saying why when it falls back.
+
+    >>> try_gpu(10_000)
+    device(type='cpu')
+    """
+    if i < 0:
+        raise DeviceSpecError(f"try_gpu({i}): GPU indices start at 0.")
+    return try_gpu_in(inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu")), i).torch_device
+
+
+def try_gpu_in(inv: Inventory, i: int = 0) -> DeviceInfo:
+    """:func:`try_gpu`'s policy on a given inventory (pure, apart from one log record)."""
+    gpus = _gpus(inv)
+    if 0 <= i < len(gpus):
+        return gpus[i]
+    _log_fallback(f"try_gpu({i})", inv)
+    return inv.cpu
+
+
+def try_all_gpus() -> list[torch.device]:
+    """Every GPU, or ``[cpu]`` when there is none (d2l's ``try_all_gpus``).
+
+    >>> try_all_gpus()[0].type in ("cpu", "cuda", "mps", "xpu")
+    True
+    """
+    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"))
+    gpus = _gpus(inv)
+    if gpus:
+        return [d.torch_device for d in gpus]
+    _log_fallback("try_all_gpus()", inv)
+    return [torch.device("cpu")]
+
+
+def _log_fallback(call: str, inv: Inventory) -> None:
+    from anydevice import backends
+
+    gpus = _gpus(inv)
+    if gpus:
+        logger.warning(
+            "%s: only %d GPU(s) here (%s); using the CPU.",
+            call,
+            len(gpus),
+            ", ".join(f"{d.spec} {d.name!r}" for d in gpus),
+        )
+    elif inv.host.nvidia_gpus:
+        # The hardware is there but torch cannot use it: that is worth a warning.
+        logger.warning(
+            "%s: using the CPU, although %d NVIDIA GPU(s) are in this machine: %s",
+            call,
+            inv.host.nvidia_gpus,
+            backends.get("cuda").unavailable_reason(inv.host),
+        )
+    else:
+        logger.info("%s: no GPU on this machine; using the CPU.", call)
+
+
+# ----------------------------------------------------------------------------- visibility
+
+
+def restrict_visible(visible: str | int | DeviceInfo | Sequence[int | str | DeviceInfo]) -> str:
+    """Show this process only some GPUs, by setting ``CUDA_VISIBLE_DEVICES``.
+
+    Indices are the ``cuda:N`` indices visible now (not nvidia-smi's); UUIDs and UUID
+    prefixes work too. The variable is written with UUIDs, so its meaning does not depend
+    on ``CUDA_DEVICE_ORDER``. This deliberately changes process state; call it before
+    anything touches CUDA.
+
+    Returns:
+        The new value of ``CUDA_VISIBLE_DEVICES``.
+
+    Raises:
+        VisibilityError: CUDA is already initialised in this process (``torch.cuda.is_available()``
+            or any CUDA call does that), so the visible set is fixed.
+        DeviceNotFoundError: an index or UUID that is not visible now.
+    """
+    from anydevice.backends import cuda
+
+    wanted = _visible_items(visible)
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda.driver_initialized():
+        raise VisibilityError(
+            f"CUDA is already initialised in this process, so the visible GPUs are fixed "
+            f"(CUDA_VISIBLE_DEVICES={current!r}); restrict_visible({visible!r}) would change "
+            "nothing. Call it before any CUDA call (torch.cuda.is_available() counts), or set "
+            "the variable when launching: CUDA_VISIBLE_DEVICES=0,2 python train.py"
+        )
+    inv = inventory(telemetry=False, kinds=("cuda", "cpu"))
+    value = visible_value(wanted, inv.of_kind("cuda"), current)
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    logger.info("CUDA_VISIBLE_DEVICES=%s", value)
+    return value
+
+
+def _visible_items(visible: object) -> list[int | str]:
+    if isinstance(visible, DeviceInfo):
+        visible = [visible]
+    if isinstance(visible, (int, str)) and not isinstance(visible, bool):
+        visible = [s.strip() for s in str(visible).split(",") if s.strip()]
+    if not isinstance(visible, (list, tuple)) or not visible:
+        raise DeviceSpecError(f"restrict_visible needs GPU indices or UUIDs, got {visible!r}.")
+    items: list[int | str] = []
+    for v in visible:
+        if isinstance(v, DeviceInfo):
+            v = v.uuid if v.uuid else v.index if v.index is not None else v.spec
+        if isinstance(v, str) and v.strip().isdigit():
+            v = int(v)
+        elif isinstance(v, str) and v.lower().startswith("cuda:"):
+            v = int(parse_spec(v).index or 0)
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise DeviceSpecError(f"restrict_visible: {v!r} is not a GPU index or UUID.")
+        items.append(v)
+    return items
+
+
+def visible_value(
+    wanted: Sequence[int | str], visible: Sequence[DeviceInfo], current: str | None
+) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that shows exactly ``wanted`` (pure).
+
+    Indices refer to ``visible`` (today's ``cuda:N``). With UUIDs known the value is made of
+    UUIDs; without them, of today's entries of ``current``.
+    """
+    if not visible:
+        raise DeviceNotFoundError(
+            f"restrict_visible({list(wanted)!r}): no CUDA device is visible to restrict to "
+            f"(CUDA_VISIBLE_DEVICES={current!r})."
+        )
+    chosen: list[DeviceInfo] = []
+    for w in wanted:
+        if isinstance(w, int):
+            if not 0 <= w < len(visible):
+                raise DeviceNotFoundError(
+                    f"restrict_visible: cuda:{w} is not visible; {len(visible)} CUDA device(s) "
+                    f"are (cuda:0..cuda:{len(visible) - 1}, CUDA_VISIBLE_DEVICES={current!r})."
+                )
+            chosen.append(visible[w])
+        else:
+            matches = [d for d in visible if d.uuid and d.uuid.lower().startswith(w.lower())]
+            if len(matches) != 1:
+                what = "matches no" if not matches else "matches more than one"
+                raise DeviceNotFoundError(
+                    f"restrict_visible: {w!r} {what} visible GPU UUID; visible: "
+                    f"{', '.join(f'{d.spec} {d.uuid}' for d in visible)}."
+                )
+            chosen.append(matches[0])
+    if len({d.index for d in chosen}) != len(chosen):
+        raise DeviceSpecError(
+            f"restrict_visible: {list(wanted)!r} names a GPU twice; CUDA would then show none."
+        )
+    if all(d.uuid for d in chosen):
+        return ",".join(str(d.uuid) for d in chosen)
+    entries = [e.strip() for e in current.split(",")] if current else None
+    return ",".join(entries[d.index or 0] if entries else str(d.index) for d in chosen)
