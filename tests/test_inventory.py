@@ -1,0 +1,105 @@
+"""The inventory of this machine, and its stable JSON form."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import psutil
+import torch
+
+import anydevice as ad
+from anydevice.inventory import DeviceInfo, Inventory, ProcessInfo, format_bytes
+from machines import GiB, gpu, machine
+
+#: The documented JSON keys (docs/inventory.md). Keys may be added, never removed.
+HOST_KEYS = {
+    "hostname", "os", "python", "torch", "torch_build", "cpu_model", "cores_logical",
+    "cores_physical", "cores_usable", "memory_total", "memory_available", "torch_threads",
+    "cpu_quota", "memory_limit", "cuda_runtime", "cudnn", "nccl", "driver", "driver_cuda",
+    "nvidia_gpus",
+}  # fmt: skip
+DEVICE_KEYS = {
+    "kind", "index", "spec", "name", "uuid", "pci_bus_id", "smi_index", "memory_total",
+    "memory_free", "memory_used", "compute_capability", "multiprocessors", "bf16", "tf32",
+    "utilization", "temperature", "power", "power_limit", "pcie_generation", "pcie_width",
+    "processes", "mig_parent", "index_guessed", "notes",
+}  # fmt: skip
+
+
+def test_inventory_describes_this_host():
+    inv = ad.inventory()
+    h = inv.host
+    assert h.torch == torch.__version__
+    assert h.cores_logical == os.cpu_count()
+    assert 1 <= h.cores_usable <= h.cores_logical
+    assert 0 < h.memory_available <= h.memory_total <= psutil.virtual_memory().total
+    assert h.torch_threads == torch.get_num_threads()
+    assert h.python.endswith(".".join(map(str, __import__("sys").version_info[:3])))
+    if torch.version.cuda is None:
+        assert h.torch_build in ("CPU", "MPS") or h.torch_build.startswith(("ROCm", "XPU"))
+
+
+def test_cpu_is_listed_last_and_described():
+    inv = ad.inventory()
+    cpu = inv.devices[-1]
+    assert cpu.kind == "cpu" and cpu.index is None
+    assert cpu.torch_device == torch.device("cpu")
+    assert cpu.name == inv.host.cpu_model
+    assert cpu.memory_total == inv.host.memory_total
+    assert cpu.utilization is not None and 0.0 <= cpu.utilization <= 100.0
+
+
+def test_json_form_has_the_documented_keys_and_round_trips():
+    inv = ad.inventory()
+    data = json.loads(inv.to_json())
+    assert data["schema"] == "anydevice.inventory/1"
+    assert set(data["host"]) == HOST_KEYS
+    for d in data["devices"]:
+        assert set(d) == DEVICE_KEYS
+    assert Inventory.from_dict(data).to_dict() == inv.to_dict()
+
+
+def test_device_json_round_trip_keeps_tuples_and_processes():
+    d = gpu(1, free=3 * GiB, procs=(ProcessInfo(42, "python", 5 * GiB),), notes=("n",))
+    back = DeviceInfo.from_dict(json.loads(json.dumps(d.to_dict())))
+    assert back == d
+    assert back.compute_capability == (9, 0)
+    assert back.processes == (ProcessInfo(42, "python", 5 * GiB),)
+
+
+def test_reprs_are_readable():
+    d = gpu(0, free=3 * GiB, smi=2)
+    assert repr(d) == (
+        "DeviceInfo(cuda:0, 'NVIDIA H100 80GB HBM3', 3.0 GiB free of 80.0 GiB, cc 9.0, "
+        "nvidia-smi 2)"
+    )
+    inv = machine(gpu(0))
+    assert repr(inv) == "Inventory('testbox': cuda:0, cpu)"
+    assert "torch 2.13.0+cu128 (CUDA 12.8)" in repr(inv.host)
+
+
+def test_inventory_helpers():
+    inv = machine(gpu(0), gpu(1))
+    assert [d.spec for d in inv.accelerators] == ["cuda:0", "cuda:1"]
+    assert inv.cpu.kind == "cpu"
+    assert inv.find("cuda", 1) is inv.devices[1]
+    assert inv.find("cuda", 7) is None
+
+
+def test_format_bytes():
+    assert format_bytes(None) == "?"
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(3 * 2**40) == "3.0 TiB"
+
+
+def test_inventory_does_not_initialise_cuda_or_import_torch_xla():
+    import sys
+
+    from anydevice.backends.cuda import driver_initialized
+
+    ad.inventory()
+    assert not torch.cuda.is_initialized()
+    assert not driver_initialized()
+    assert "torch_xla" not in sys.modules
