@@ -1,0 +1,125 @@
+"""How every benchmark records its results: the machine, the numbers, the ratios.
+
+Each benchmark builds a :class:`Result` and calls :func:`save`, which prints a table and
+writes ``results/<name>-<machine>.json`` (machine = GPU model or CPU model, slugged).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    import anydevice as ad
+
+    inv = ad.inventory(telemetry=False)
+    accel = [f"{d.spec} {d.name}" for d in inv.accelerators]
+    return {
+        "host": inv.host.hostname,
+        "cpu": inv.host.cpu_model,
+        "cores_usable": inv.host.cores_usable,
+        "memory_total": inv.host.memory_total,
+        "accelerators": accel,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": inv.host.driver,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def machine_slug(m: dict[str, Any]) -> str:
+    name = m["accelerators"][0].split(" ", 1)[1] if m["accelerators"] else f"cpu-{m['cpu']}"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return f"{slug}-{m['cores_usable']}core" if not m["accelerators"] else slug
+
+
+@dataclass
+class Result:
+    name: str
+    unit: str
+    rows: dict[str, float] = field(default_factory=dict)  #: label -> median
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    baseline: str | None = None  #: ratios are row / baseline
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, label: str, samples: Sequence[float]) -> float:
+        self.samples[label] = [float(s) for s in samples]
+        self.rows[label] = statistics.median(samples)
+        return self.rows[label]
+
+    def ratio(self, label: str, base: str | None = None) -> float:
+        base = base or self.baseline
+        assert base is not None
+        return self.rows[label] / self.rows[base]
+
+
+def save(result: Result) -> Path:
+    m = machine()
+    print(
+        f"\n== {result.name} ({m['cpu']}; {', '.join(m['accelerators']) or 'no accelerator'};"
+        f" torch {m['torch']}) =="
+    )
+    width = max(len(k) for k in result.rows) if result.rows else 10
+    for label, value in result.rows.items():
+        ratio = ""
+        if result.baseline and result.baseline in result.rows and result.rows[result.baseline]:
+            ratio = f"  {value / result.rows[result.baseline]:6.2f}x {result.baseline}"
+        spread = ""
+        s = result.samples.get(label, [])
+        if len(s) >= 4:
+            q = statistics.quantiles(s, n=4)
+            spread = f"  (IQR {q[2] - q[0]:.3g})"
+        print(f"  {label:<{width}}  {value:12.4g} {result.unit}{ratio}{spread}")
+    for note in result.notes:
+        print(f"  note: {note}")
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{result.name}-{machine_slug(m)}.json"
+    path.write_text(json.dumps({"machine": m, **asdict(result)}, indent=2) + "\n")
+    print(f"  -> {path.relative_to(RESULTS.parent.parent)}")
+    return path
+
+
+def run_interleaved(
+    commands: dict[str, Callable[[], float]], rounds: int
+) -> dict[str, list[float]]:
+    """Run each command once per round, round-robin, so drift hits all of them alike."""
+    out: dict[str, list[float]] = {k: [] for k in commands}
+    for _ in range(rounds):
+        for label, fn in commands.items():
+            out[label].append(fn())
+    return out
+
+
+def wall(argv: Sequence[str], timeout: float = 300) -> Callable[[], float]:
+    """A function that runs ``argv`` and returns its wall time in seconds (must succeed)."""
+
+    def go() -> float:
+        t = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        elapsed = time.perf_counter() - t
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-2000:]}")
+        return elapsed
+
+    return go
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
