@@ -1,0 +1,48 @@
+"""Run every GPU benchmark: each function named ``gpu_*`` in ``benchmarks/bench_*.py``.
+
+``scripts/gpu-check.sh`` runs this on a machine with an NVIDIA GPU. Without CUDA it says
+so and exits 0. ``python benchmarks/gpu.py to precision`` runs only those modules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: GPU benchmarks skipped")
+        return 0
+    sys.path.insert(0, str(HERE))
+    wanted = sys.argv[1:]
+    failed = 0
+    for script in sorted(HERE.glob("bench_*.py")):
+        name = script.stem.removeprefix("bench_")
+        if wanted and name not in wanted:
+            continue
+        spec = importlib.util.spec_from_file_location(script.stem, script)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for attr in sorted(vars(module)):
+            fn = getattr(module, attr)
+            if attr.startswith("gpu_") and callable(fn):
+                print(f"\n##### {script.name}:{attr}", flush=True)
+                try:
+                    fn()
+                except Exception:  # report every benchmark, then fail at the end
+                    traceback.print_exc()
+                    failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
