@@ -1,0 +1,479 @@
+"""Which tensor is on the wrong device: :func:`check_devices` and :func:`diagnose`.
+
+Both answer torch's "Expected all tensors to be on the same device" with a short report:
+parameters and buffers grouped by module path (a subtree entirely on one device collapses
+to ``model.encoder.*``), each input by its path, each with its device::
+
+    model.encoder.* on cuda:0 (124 tensors); model.head.weight on cpu; input batch['mask'] on cpu
+
+:func:`diagnose` also names the submodule that failed and the devices of the inputs it
+was called with. It learns them from forward pre-hooks and forward hooks (torch's own
+mechanism) that exist only inside the block: registered on entry, removed on exit, also on
+error. A forward pre-hook pushes ``(module, args, kwargs)`` on a stack and the forward hook
+pops it, so when an error escapes, the top of the stack is the innermost module still
+running: the one whose forward failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from anydevice.errors import DeviceMismatchError, NoTensorError
+from anydevice.placement import walk
+
+__all__ = ["check_devices", "diagnose", "is_device_mismatch", "report"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The wordings torch uses for a device mismatch (torch 2.13; older ones kept).
+_MISMATCH = re.compile(
+    "|".join(
+        [
+            r"Expected all tensors to be on the same device",  # TensorIterator, codegen checks
+            r"is not on the expected device",  # prims: "Tensor on device cpu is not on the ..."
+            r"\b(?:to|must|need to) (?:all )?be on the same device",  # linalg, stft, optimizers...
+            r"is on CPU, but expected (?:it|them) to be on GPU",  # checkAllSameGPU
+            r"to have the same device as tensor for argument",  # checkSameGPU
+            r"indices should be either on cpu or on the same device",  # advanced indexing
+            r"tensors are not at the same device",  # RNNs
+            r"(?:have|has) (?:the )?same device type",  # SDPA, bucketize, cdist
+            r"Expected object of device type",  # older releases
+        ]
+    )
+)
+_TYPE_PAIR = re.compile(
+    r"Input type \(([^)]*)\) and (?:weight|bias) type \(([^)]*)\) should be the same"
+)
+_LINE_CAP = 12
+_PLAIN = " (a plain tensor attribute: Module.to() does not move it; use register_buffer)"
+
+
+def is_device_mismatch(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's error for tensors on different devices.
+
+    Several wordings exist ("Expected all tensors to be on the same device", "Input type
+    (torch.cuda.FloatTensor) and weight type (torch.FloatTensor) should be the same", "...
+    is on CPU, but expected it to be on GPU", "indices should be either on cpu or on the
+    same device as the indexed tensor", ...). A dtype mismatch is not a device mismatch.
+
+    >>> is_device_mismatch(RuntimeError("Input type (torch.cuda.FloatTensor) and weight "
+    ...     "type (torch.FloatTensor) should be the same"))
+    True
+    >>> is_device_mismatch(RuntimeError("Input type (torch.cuda.HalfTensor) and weight "
+    ...     "type (torch.cuda.FloatTensor) should be the same"))
+    False
+    """
+    if not isinstance(exc, (RuntimeError, ValueError)) or isinstance(exc, DeviceMismatchError):
+        return False
+    text = str(exc)
+    if _MISMATCH.search(text):
+        return True
+    pair = _TYPE_PAIR.search(text)
+    return pair is not None and _device_word(pair.group(1)) != _device_word(pair.group(2))
+
+
+def _device_word(type_name: str) -> str:
+    low = type_name.lower()
+    for word in ("cuda", "hip", "mps", "xpu", "xla", "meta"):
+        if word in low:
+            return word
+    return "cpu"
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+class _Node:
+    __slots__ = ("children", "count", "devices", "note")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.devices: collections.Counter[torch.device] = collections.Counter()
+        self.count = 0
+        self.note = ""
+
+
+class _Survey:
+    """Tensors by label (``model``, ``input batch``) and path, grouped for the report."""
+
+    def __init__(self) -> None:
+        self.roots: list[tuple[str, bool, _Node]] = []
+
+    def _insert(self, root: _Node, parts: Iterable[str], dev: torch.device, note: str) -> None:
+        node = root
+        node.devices[dev] += 1
+        node.count += 1
+        for part in parts:
+            node = node.children.setdefault(part, _Node())
+            node.devices[dev] += 1
+            node.count += 1
+        node.note = note
+
+    def add_model(self, model: nn.Module, label: str = "model", recurse: bool = True) -> None:
+        root = _Node()
+        for name, t in (
+            *model.named_parameters(recurse=recurse),
+            *model.named_buffers(recurse=recurse),
+        ):
+            self._insert(root, _dotted(name), t.device, "")
+        modules = model.named_modules() if recurse else [("", model)]
+        for prefix, module in modules:
+            for attr, value in vars(module).items():
+                if isinstance(value, torch.Tensor):
+                    parts = [*_dotted(prefix), "." + attr] if prefix else ["." + attr]
+                    self._insert(root, parts, value.device, _PLAIN)
+        if root.count:
+            self.roots.append((label, True, root))
+
+    def add(self, label: str, obj: object) -> None:
+        if isinstance(obj, nn.Module):
+            self.add_model(obj, label)
+            return
+        root = _Node()
+        for parts, t in walk(obj):
+            self._insert(root, parts, t.device, "")
+        if root.count:
+            self.roots.append((label, False, root))
+
+    def devices(self) -> dict[torch.device, int]:
+        total: collections.Counter[torch.device] = collections.Counter()
+        for _, _, root in self.roots:
+            total.update(root.devices)
+        return dict(total.most_common())
+
+    def groups(self) -> list[tuple[str, torch.device, int, str]]:
+        out: list[tuple[str, torch.device, int, str]] = []
+        for label, is_model, root in self.roots:
+            _collapse(root, label, is_model, out)
+        return out
+
+    def error(
+        self,
+        headline: str,
+        extra: Iterable[str] = (),
+        suggest_from: Mapping[torch.device, int] | None = None,
+    ) -> DeviceMismatchError:
+        devices = self.devices()
+        groups = self.groups()
+        lines = [f"{path} on {dev}{note}" for path, dev, _, note in groups[:_LINE_CAP]]
+        if len(groups) > _LINE_CAP:
+            lines.append(f"and {len(groups) - _LINE_CAP} more groups")
+        where = ", ".join(f"{d} ({n} tensor{'s' if n != 1 else ''})" for d, n in devices.items())
+        best = _suggest(devices if suggest_from is None else suggest_from)
+        fix = (
+            f'Move everything to {best}: ad.to(model, "{best}") moves a model in place; '
+            f'batch = ad.to(batch, "{best}") moves a batch.'
+        )
+        message = "\n".join(
+            [*extra, f"{headline}: {where}.", "; ".join(lines) + ".", fix]
+            if lines and len(devices) > 1
+            else [*extra, f"{headline}: {where}.", fix]
+        )
+        return DeviceMismatchError(
+            message,
+            devices=devices,
+            groups=tuple((p, d, n) for p, d, n, _ in groups),
+            suggested=best,
+        )
+
+
+def _dotted(name: str) -> list[str]:
+    return ["." + part for part in name.split(".")] if name else []
+
+
+def _collapse(
+    node: _Node, prefix: str, is_model: bool, out: list[tuple[str, torch.device, int, str]]
+) -> None:
+    while node.count == 1 and node.children:  # one tensor: name it by its full path
+        part, node = next(iter(node.children.items()))
+        prefix += part
+    if len(node.devices) == 1:
+        dev = next(iter(node.devices))
+        if not node.children:
+            out.append((prefix, dev, node.count, node.note))
+        elif is_model:
+            out.append((f"{prefix}.*", dev, node.count, f" ({node.count} tensors)"))
+        else:
+            out.append((prefix, dev, node.count, f" ({node.count} tensors)"))
+        return
+    for part, child in node.children.items():
+        _collapse(child, prefix + part, is_model, out)
+
+
+def _suggest(devices: Mapping[torch.device, int]) -> torch.device:
+    """The device to move everything to: the accelerator most tensors are on, else CPU."""
+    ranked = sorted(devices.items(), key=lambda kv: (kv[0].type in ("cpu", "meta"), -kv[1]))
+    return ranked[0][0] if ranked else torch.device("cpu")
+
+
+def report(objects: Iterable[tuple[str, object]], headline: str) -> DeviceMismatchError:
+    """The :class:`DeviceMismatchError` for ``(label, object)`` pairs (not raised)."""
+    survey = _Survey()
+    for label, obj in objects:
+        survey.add(label, obj)
+    return survey.error(headline)
+
+
+# ----------------------------------------------------------------------------- check_devices
+
+
+def check_devices(model: nn.Module | None, *inputs: object, **named_inputs: object) -> torch.device:
+    """The one device ``model`` and its inputs are on, or a report of which are where.
+
+    >>> import torch, anydevice as ad
+    >>> model = torch.nn.Linear(2, 2)
+    >>> ad.check_devices(model, torch.ones(1, 2))
+    device(type='cpu')
+    >>> try:
+    ...     ad.check_devices(model, batch={"x": torch.ones(1, 2, device="meta")})
+    ... except ad.DeviceMismatchError as e:
+    ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+    Tensors that must share a device are on 2 devices: cpu (2 tensors), meta (1 tensor).
+    model.* on cpu (2 tensors); input batch['x'] on meta.
+    Move everything to cpu: ad.to(model, "cpu") moves a model in place;
+    batch = ad.to(batch, "cpu") moves a batch.
+
+    Parameters and buffers are grouped by module path: a subtree entirely on one device is
+    one line (``model.encoder.* on cuda:0 (124 tensors)``). Plain tensor attributes of a
+    module, which ``Module.to()`` does not move, are checked too and flagged.
+
+    Args:
+        model: the model, or ``None`` to check inputs only.
+        inputs: batches, tensors, anything :func:`anydevice.to` can move; named
+            ``args[0]``, ``args[1]``, ... in the report.
+        named_inputs: the same, named by their keyword (``batch=batch``).
+
+    Returns:
+        The device everything is on.
+
+    Raises:
+        DeviceMismatchError: tensors on more than one device; its ``devices``, ``groups``
+            and ``suggested`` attributes hold the report's facts.
+        NoTensorError: there is no tensor at all.
+    """
+    survey = _Survey()
+    if model is not None:
+        survey.add_model(model)
+    for i, x in enumerate(inputs):
+        survey.add(f"input args[{i}]", x)
+    for name, x in named_inputs.items():
+        survey.add(f"input {name}", x)
+    devices = survey.devices()
+    if len(devices) == 1:
+        return next(iter(devices))
+    if not devices:
+        raise NoTensorError("check_devices(): the model and the inputs hold no tensor.")
+    raise survey.error(f"Tensors that must share a device are on {len(devices)} devices")
+
+
+# ----------------------------------------------------------------------------- diagnose
+
+
+class diagnose:
+    """Turn torch's device-mismatch errors in a block into a report that names the tensors.
+
+    >>> import torch, anydevice as ad
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    >>> try:
+    ...     with ad.diagnose(model):
+    ...         model(torch.ones(1, 2, device="meta"))
+    ... except ad.DeviceMismatchError as e:
+    ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+    Tensor on device cpu is not on the expected device meta!
+    It failed in model.0 (Linear): input args[0] on meta; model.0.* on cpu (2 tensors).
+    The model is on 1 device: cpu (2 tensors).
+    Move everything to cpu: ad.to(model, "cpu") moves a model in place;
+    batch = ad.to(batch, "cpu") moves a batch.
+
+    Use it as ``with ad.diagnose(model, batch=batch): ...`` or as a decorator,
+    ``@ad.diagnose(model)``, where the decorated function's arguments are the inputs the
+    report names. Only device mismatches are replaced (with :class:`DeviceMismatchError`,
+    the original as ``__cause__``); every other exception passes through untouched.
+
+    Inside the block each submodule of ``model`` carries a forward pre-hook and a forward
+    hook, removed on exit (also on error), so the report names the submodule that failed
+    and the devices of its inputs. They cost a few microseconds per submodule call (see
+    ``benchmarks/bench_to.py``); ``trace=False`` leaves the model alone and reports only
+    the model and the inputs. A compiled model (``torch.compile``) is never hooked, since
+    hooks would make it recompile.
+
+    Args:
+        model: the model whose parameters and buffers the report lists.
+        inputs, named_inputs: inputs to list too (``args[0]``, or by keyword).
+        trace: hook the submodules to name the one that failed.
+
+    Raises:
+        DeviceMismatchError: the block raised torch's device-mismatch error.
+    """
+
+    def __init__(
+        self, model: nn.Module, *inputs: object, trace: bool = True, **named_inputs: object
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"diagnose() takes an nn.Module, not {type(model).__name__}")
+        self.model = model
+        self.inputs = inputs
+        self.named_inputs = named_inputs
+        self.trace = (
+            trace
+            and not hasattr(model, "_orig_mod")  # torch.compile's OptimizedModule
+            and not isinstance(model, torch.jit.ScriptModule)
+        )
+        self._sessions: list[_Session] = []
+
+    def __enter__(self) -> diagnose:
+        session = _Session(self)
+        session.start()
+        self._sessions.append(session)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        session = self._sessions.pop()
+        session.stop()
+        if exc is not None and is_device_mismatch(exc):
+            raise session.error(exc) from exc
+
+    def __call__(self, fn: F) -> F:
+        try:
+            signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            signature = None
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            session = _Session(self, (signature, args, kwargs))
+            session.start()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if is_device_mismatch(e):
+                    raise session.error(e) from e
+                raise
+            finally:
+                session.stop()
+
+        return wrapper  # type: ignore[return-value]
+
+
+class _Session:
+    """One pass through a :class:`diagnose` block: its hooks and the modules running."""
+
+    __slots__ = ("call", "handles", "owner", "stack")
+
+    def __init__(
+        self,
+        owner: diagnose,
+        call: tuple[inspect.Signature | None, tuple[Any, ...], dict[str, Any]] | None = None,
+    ) -> None:
+        self.owner = owner
+        self.call = call
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.stack: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+
+    def start(self) -> None:
+        if not self.owner.trace:
+            return
+        try:
+            for module in self.owner.model.modules():
+                if isinstance(module, torch.jit.ScriptModule):
+                    continue
+                self.handles.append(module.register_forward_pre_hook(self.pre, with_kwargs=True))
+                self.handles.append(module.register_forward_hook(self.post))
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.stack.append((module, args, kwargs))
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        stack = self.stack
+        while stack:  # also drops modules whose error their caller caught
+            if stack.pop()[0] is module:
+                break
+
+    def inputs(self) -> list[tuple[str, object]]:
+        named: list[tuple[str, object]] = [
+            (f"input args[{i}]", x) for i, x in enumerate(self.owner.inputs)
+        ]
+        named += [(f"input {k}", v) for k, v in self.owner.named_inputs.items()]
+        if self.call is not None:
+            signature, args, kwargs = self.call
+            if signature is not None:
+                try:
+                    bound = signature.bind_partial(*args, **kwargs).arguments
+                except TypeError:
+                    bound = {}
+                named += [(f"input {k}", v) for k, v in bound.items() if v is not self.owner.model]
+            else:
+                named += [(f"input args[{i}]", x) for i, x in enumerate(args)]
+                named += [(f"input {k}", v) for k, v in kwargs.items()]
+        return named
+
+    def error(self, exc: BaseException) -> DeviceMismatchError:
+        text = str(exc).strip()
+        extra = [text.splitlines()[0][:400] if text else type(exc).__name__]
+        seen: collections.Counter[torch.device] = collections.Counter()
+        if self.owner.trace:
+            where, devices = self.failed_in()
+            extra.append(where)
+            seen.update(devices)
+        survey = _Survey()
+        survey.add_model(self.owner.model)
+        inputs = [(k, v) for k, v in self.inputs() if not isinstance(v, nn.Module)]
+        for label, obj in inputs:
+            survey.add(label, obj)
+        seen.update(survey.devices())
+        n = len(survey.devices())
+        what = "The model and the inputs are" if inputs else "The model is"
+        headline = f"{what} on {n} device{'s' if n != 1 else ''}"
+        return survey.error(headline, extra=extra, suggest_from=seen)
+
+    def failed_in(self) -> tuple[str, dict[torch.device, int]]:
+        model = self.owner.model
+        if not self.stack:
+            return (
+                "It failed outside the model's modules (in a loss, or other code in the "
+                "block): look at the tensors that code uses.",
+                {},
+            )
+        module, args, kwargs = self.stack[-1]
+        names = {id(m): name for name, m in model.named_modules()}
+        name = names.get(id(module), "")
+        label = f"model.{name}" if name else "model"
+        survey = _Survey()
+        for i, x in enumerate(args):
+            survey.add(f"input args[{i}]", x)
+        for k, v in kwargs.items():
+            survey.add(f"input {k}", v)
+        survey.add_model(module, label, recurse=False)
+        groups = survey.groups()
+        where = "; ".join(f"{p} on {d}{note}" for p, d, _, note in groups[:_LINE_CAP])
+        text = f"It failed in {label} ({type(module).__name__}): {where or 'no tensors'}."
+        devices = survey.devices()
+        if len(devices) <= 1:
+            text += (
+                f" Everything {label} received and holds is on one device, so the other "
+                "tensor was made in its forward (torch.zeros, arange, tensor, ... without "
+                "device=x.device) or is held by it in a plain attribute or a list."
+            )
+        return text, devices
