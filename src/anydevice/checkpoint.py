@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import secrets
 import stat
 import sys
 import zipfile
@@ -69,7 +68,7 @@ def save(obj: object, path: PathLike) -> Path:
     """
     target = Path(os.fspath(path))
     folder = target.parent
-    tmp = folder / f".{target.name}.{secrets.token_hex(4)}.tmp"
+    tmp = folder / f".{target.name}.{os.urandom(4).hex()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
@@ -223,7 +222,10 @@ def _damage(file: Path, *, check_crc: bool = False) -> str | None:
                 "after it was written (disk, memory or transfer error). Use an earlier "
                 "checkpoint or copy it again."
             )
-        return f"corrupt: the zip structure is damaged ({text}); {format_bytes(size)}."
+        return (
+            f"corrupt: its zip structure is damaged ({text}; {format_bytes(size)}). Use an "
+            "earlier checkpoint or copy it again."
+        )
     except (OSError, EOFError, ValueError) as e:
         return f"corrupt or truncated: reading its records failed ({type(e).__name__}: {e})."
     return None

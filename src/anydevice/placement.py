@@ -156,9 +156,13 @@ def to(
     a note names the path.
     """
     x: Any = obj
-    if type(x) is Tensor and type(device) is torch.device and non_blocking == "auto":
-        if x.device == device:  # the commonest call of all: nothing to do
-            return obj
+    if (
+        type(x) is Tensor
+        and type(device) is torch.device
+        and non_blocking == "auto"
+        and x.device == device
+    ):
+        return obj  # the commonest call of all: nothing to do
     if non_blocking.__class__ is not bool and non_blocking != "auto":
         raise ValueError(f"non_blocking must be 'auto', True or False, not {non_blocking!r}")
     dev = target_device(device)
@@ -221,7 +225,7 @@ def _move_error(e: _Failure, dev: torch.device) -> MoveError:
     path, target_depth = _path_of(e)
     if e.target is not None:
         parts: list[str] = list(reversed(getattr(e, "_anydevice_path", [])))
-        inside = len(parts) if target_depth is None else target_depth
+        inside = len(parts) if target_depth is None else target_depth + 1  # + its own key
         back_to = "obj" + "".join(parts[: len(parts) - inside])
         return MoveError(
             f"to(): {path} is {back_to} itself (the structure contains itself), so it "

@@ -1,0 +1,374 @@
+"""ad.check_devices and ad.diagnose against torch's own device-mismatch errors.
+
+Without a GPU, ``FakeTensorMode`` builds fake ``cuda`` tensors (shapes and devices, no
+data) and raises torch's real mismatch error when an operation mixes them with CPU
+tensors. Autograd cannot run on fake CUDA tensors in a CPU build, so forwards run under
+``torch.no_grad()``. Real CUDA checks are in test_placement_cuda.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import anydevice as ad
+from anydevice.mismatch import is_device_mismatch
+
+CUDA = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+@contextmanager
+def fake() -> Iterator[None]:
+    with FakeTensorMode(), torch.no_grad():
+        yield
+
+
+def fake_cuda(module: nn.Module) -> nn.Module:
+    """Put every parameter and buffer of ``module`` on a fake cuda:0 (call inside fake())."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cuda")))
+        for name, b in list(sub.named_buffers(recurse=False)):
+            sub.register_buffer(name, torch.empty(b.shape, dtype=b.dtype, device="cuda"))
+    return module
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.encoder(batch["x"])) * batch["mask"]
+
+
+def half_moved() -> Model:
+    """The classic bug: the encoder is on the GPU, the head was left on the CPU."""
+    model = Model()
+    fake_cuda(model.encoder)
+    return model
+
+
+# ----------------------------------------------------------------------------- recognising
+
+
+def _raise(fn: Any) -> BaseException:
+    with fake(), pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+LONG = torch.long
+REAL_MISMATCHES = {
+    "add": lambda: torch.ones(3, device="cuda") + torch.ones(3),
+    "mm": lambda: torch.ones(3, 3, device="cuda") @ torch.ones(3, 3),
+    "linear": lambda: F.linear(torch.ones(2, 3), torch.ones(4, 3, device="cuda")),
+    "embedding": lambda: F.embedding(torch.zeros(3, dtype=LONG), torch.ones(5, 2, device="cuda")),
+    "cat": lambda: torch.cat([torch.ones(2, device="cuda"), torch.ones(2)]),
+    "index_select": lambda: torch.ones(4).index_select(0, torch.ones(2, dtype=LONG, device="cuda")),
+    "cross_entropy": lambda: F.cross_entropy(torch.ones(4, 5, device="cuda"), torch.ones(4).long()),
+    "layer_norm": lambda: F.layer_norm(torch.ones(2, 4, device="cuda"), (4,), torch.ones(4)),
+    "lstm": lambda: nn.LSTM(4, 4)(torch.ones(2, 1, 4, device="cuda")),
+    "sdpa": lambda: F.scaled_dot_product_attention(
+        torch.ones(1, 2, 4, 8, device="cuda"), torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(REAL_MISMATCHES))
+def test_torchs_own_mismatch_errors_are_recognised(op):
+    error = _raise(REAL_MISMATCHES[op])
+    assert isinstance(error, RuntimeError)
+    assert is_device_mismatch(error), str(error)
+
+
+def test_meta_mismatch_error_is_recognised():
+    with pytest.raises(RuntimeError) as info:
+        torch.ones(2) + torch.ones(2, device="meta")
+    assert is_device_mismatch(info.value)
+
+
+# Wordings from torch's sources that need a real GPU to trigger (conv's type check,
+# checkAllSameGPU, advanced indexing, the optimizer's grouping check).
+GPU_ONLY_WORDINGS = [
+    "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be the "
+    "same or input should be a MKLDNN tensor and weight is a dense tensor",
+    "Input type (CUDAFloatType) and weight type (CPUFloatType) should be the same",
+    "Tensor for argument #2 'mat1' is on CPU, but expected it to be on GPU (while checking "
+    "arguments for addmm)",
+    "Expected tensor for argument #1 'input' to have the same device as tensor for argument "
+    "#2 'weight'; but device 1 does not equal 0 (while checking arguments for cudnn_convolution)",
+    "indices should be either on cpu or on the same device as the indexed tensor (cpu)",
+    "Expected all tensors to be on the same device, but got mat2 is on cpu, different from "
+    "other tensors on cuda:0 (when checking argument in method wrapper_CUDA_mm)",
+    "Tensors of the same index must be on the same device and the same dtype except `step` "
+    "tensors that can be CPU and float32/64",
+]
+
+
+@pytest.mark.parametrize("text", GPU_ONLY_WORDINGS)
+def test_gpu_only_wordings_are_recognised(text):
+    assert is_device_mismatch(RuntimeError(text))
+
+
+def test_other_errors_are_not_mismatches():
+    with pytest.raises(RuntimeError) as dtype_error:
+        torch.ones(2, 2) @ torch.ones(2, 2, dtype=torch.float64)
+    assert not is_device_mismatch(dtype_error.value)
+    with pytest.raises(RuntimeError) as shape_error:
+        torch.ones(2, 3) @ torch.ones(2, 3)
+    assert not is_device_mismatch(shape_error.value)
+    dtype_pair = (
+        "Input type (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) should "
+        "be the same"
+    )
+    assert not is_device_mismatch(RuntimeError(dtype_pair))
+    assert not is_device_mismatch(KeyError("Expected all tensors to be on the same device"))
+
+
+# ----------------------------------------------------------------------------- check_devices
+
+
+def test_check_devices_returns_the_one_device():
+    model = Model()
+    batch = {"x": torch.ones(2, 8), "mask": torch.ones(2, 2)}
+    assert ad.check_devices(model, batch) == CPU
+    assert ad.check_devices(None, batch=batch) == CPU
+
+
+def test_check_devices_report_groups_modules_and_names_inputs():
+    with fake():
+        model = half_moved()
+        batch = {"x": torch.ones(2, 8, device="cuda"), "mask": torch.ones(2, 2)}
+        with pytest.raises(ad.DeviceMismatchError) as info:
+            ad.check_devices(model, batch=batch)
+    text = str(info.value)
+    assert "model.encoder.* on cuda:0 (8 tensors); model.head.* on cpu (2 tensors); " in text
+    assert "input batch['x'] on cuda:0; input batch['mask'] on cpu." in text
+    assert 'ad.to(model, "cuda:0")' in text
+    assert info.value.devices == {CUDA: 9, CPU: 3}
+    assert info.value.suggested == CUDA
+    assert ("model.head.*", CPU, 2) in info.value.groups
+
+
+def test_check_devices_names_a_single_stray_parameter_by_its_full_path():
+    with fake():
+        model = fake_cuda(Model())
+        model.head.weight = nn.Parameter(torch.empty(2, 8))
+        with pytest.raises(ad.DeviceMismatchError) as info:
+            ad.check_devices(model, torch.ones(2, 8, device="cuda"))
+    text = str(info.value)
+    assert (
+        "model.encoder.* on cuda:0 (8 tensors); model.head.weight on cpu; model.head.bias on cuda:0"
+        in text
+    )
+    assert "input args[0] on cuda:0" in text
+
+
+def test_check_devices_flags_plain_tensor_attributes():
+    class WithMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.mask = torch.ones(2)  # not a buffer: Module.to() leaves it behind
+
+    model = WithMask()
+    model.proj.to("meta")
+    with pytest.raises(ad.DeviceMismatchError) as info:
+        ad.check_devices(model)
+    assert "model.mask on cpu (a plain tensor attribute" in str(info.value)
+    assert "register_buffer" in str(info.value)
+
+
+def test_check_devices_caps_long_reports():
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(30)])
+    for layer in model[::2]:
+        layer.to("meta")
+    with pytest.raises(ad.DeviceMismatchError) as info:
+        ad.check_devices(model)
+    assert "and 18 more groups" in str(info.value)
+    assert len(info.value.groups) == 30
+
+
+def test_check_devices_without_tensors_is_a_clear_error():
+    with pytest.raises(ad.NoTensorError):
+        ad.check_devices(nn.ReLU(), "text")
+
+
+# ----------------------------------------------------------------------------- diagnose
+
+
+def _hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
+def test_diagnose_names_the_failing_module_and_its_inputs():
+    with fake():
+        model = half_moved()
+        batch = {"x": torch.ones(2, 8, device="cuda"), "mask": torch.ones(2, 2, device="cuda")}
+        with pytest.raises(ad.DeviceMismatchError) as info, ad.diagnose(model, batch=batch):
+            model(batch)
+    error = info.value
+    text = str(error)
+    assert text.startswith("Expected all tensors to be on the same device")
+    failed = "It failed in model.head (Linear): input args[0] on cuda:0; model.head.* on cpu"
+    assert failed + " (2 tensors)." in text
+    survey = "model.encoder.* on cuda:0 (8 tensors); model.head.* on cpu (2 tensors); "
+    assert survey + "input batch on cuda:0 (2 tensors)." in text
+    assert error.suggested == CUDA
+    assert is_device_mismatch(error.__cause__)
+    assert type(error.__cause__).__name__ == "FakeTensorDeviceMismatchError"
+    assert _hooks(model) == 0
+
+
+def test_diagnose_points_at_tensors_made_inside_forward():
+    class MakesItsOwn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) + torch.arange(4.0)  # forgot device=x.device
+
+    with fake():
+        model = fake_cuda(MakesItsOwn())
+        with pytest.raises(ad.DeviceMismatchError) as info, ad.diagnose(model):
+            model(torch.ones(2, 4, device="cuda"))
+    text = str(info.value)
+    assert "It failed in model (MakesItsOwn): input args[0] on cuda:0." in text
+    assert "so the other tensor was made in its forward" in text
+
+
+def test_diagnose_says_when_the_error_is_outside_the_model():
+    with fake():
+        model = fake_cuda(nn.Linear(4, 2))
+        targets = torch.zeros(3, dtype=torch.long)  # left on the CPU
+        with pytest.raises(ad.DeviceMismatchError) as info, ad.diagnose(model):
+            F.cross_entropy(model(torch.ones(3, 4, device="cuda")), targets)
+    assert "failed outside the model's modules" in str(info.value)
+    assert "The model is on 1 device: cuda:0 (2 tensors)." in str(info.value)
+
+
+def test_diagnose_lets_other_errors_through_untouched():
+    model = nn.Linear(2, 2)
+    original = ValueError("not about devices")
+    with pytest.raises(ValueError) as info, ad.diagnose(model):
+        raise original
+    assert info.value is original
+    with pytest.raises(RuntimeError) as shape, ad.diagnose(model):
+        model(torch.ones(3, 5))
+    assert not isinstance(shape.value, ad.DeviceMismatchError)
+    assert _hooks(model) == 0
+
+
+def test_diagnose_leaves_no_hook_and_returns_results():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with ad.diagnose(model):
+        assert _hooks(model) == 2 * 3
+        out = model(torch.ones(1, 2))
+    assert out.shape == (1, 2)
+    assert _hooks(model) == 0
+
+
+def test_diagnose_as_decorator_names_the_functions_arguments():
+    with fake():
+        model = fake_cuda(nn.Linear(4, 2))
+
+        @ad.diagnose(model)
+        def step(batch: dict[str, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+            return model(batch["x"]) * scale
+
+        assert step.__name__ == "step"
+        assert step({"x": torch.ones(1, 4, device="cuda")}).device == CUDA
+        with pytest.raises(ad.DeviceMismatchError) as info:
+            step({"x": torch.ones(1, 4)})
+    text = str(info.value)
+    assert "input batch['x'] on cpu" in text
+    assert (
+        "It failed in model (Linear): input args[0] on cpu; model.* on cuda:0 (2 tensors)." in text
+    )
+    assert _hooks(model) == 0
+
+
+def test_diagnose_can_nest_and_be_reused():
+    model = nn.Linear(2, 2)
+    guard = ad.diagnose(model)
+    with guard:
+        with guard:
+            assert _hooks(model) == 4
+        assert _hooks(model) == 2
+    with guard:
+        model(torch.ones(1, 2))
+    assert _hooks(model) == 0
+
+
+def test_diagnose_without_trace_adds_no_hook():
+    with fake():
+        model = half_moved()
+        batch = {"x": torch.ones(1, 8, device="cuda"), "mask": torch.ones(1, 2)}
+        with ad.diagnose(model, trace=False):
+            assert _hooks(model) == 0
+        with pytest.raises(ad.DeviceMismatchError) as info, ad.diagnose(model, trace=False):
+            model(batch)
+    assert "It failed in" not in str(info.value)
+    assert "model.head.* on cpu (2 tensors)" in str(info.value)
+
+
+def test_caught_errors_inside_submodules_do_not_confuse_the_stack():
+    class Fallback(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.second = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                self.first(torch.ones(3, 5))  # a wrong shape, caught on purpose
+            except RuntimeError:
+                pass
+            return self.second(x)
+
+    with fake():
+        model = Fallback()
+        fake_cuda(model.first)
+        with pytest.raises(ad.DeviceMismatchError) as info, ad.diagnose(model):
+            model(torch.ones(2, 4, device="cuda"))
+    assert "It failed in model.second (Linear)" in str(info.value)
+
+
+def test_diagnose_takes_only_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        ad.diagnose(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_report_line_format_matches_the_documented_example():
+    with fake():
+        model = half_moved()
+        with pytest.raises(ad.DeviceMismatchError) as info:
+            ad.check_devices(model, batch={"mask": torch.ones(1)})
+    line = str(info.value).splitlines()[1]
+    assert re.fullmatch(
+        r"(model\.[\w.]+\* on \S+ \(\d+ tensors\); )+input batch\['mask'\] on cpu\.", line
+    )
