@@ -6,12 +6,13 @@ to ``model.encoder.*``), each input by its path, each with its device::
 
     model.encoder.* on cuda:0 (124 tensors); model.head.weight on cpu; input batch['mask'] on cpu
 
-:func:`diagnose` also names the submodule that failed and the devices of the inputs it
-was called with. It learns them from forward pre-hooks and forward hooks (torch's own
-mechanism) that exist only inside the block: registered on entry, removed on exit, also on
-error. A forward pre-hook pushes ``(module, args, kwargs)`` on a stack and the forward hook
-pops it, so when an error escapes, the top of the stack is the innermost module still
-running: the one whose forward failed.
+:func:`diagnose` also names the module method that failed and the devices of the tensors
+it held. It reads them from the error's traceback, only once an error has happened: the
+innermost frame whose ``self`` is an ``nn.Module`` is the failing module, and that frame's
+locals are its arguments and intermediate tensors at the moment of failure. Nothing is
+hooked, so a block under :func:`diagnose` runs exactly as fast as without it. (Forward
+hooks on every submodule were measured first: registering and removing them cost ~17 us
+per submodule on each entry, and torch.compile would recompile on them.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -289,7 +290,7 @@ class diagnose:
     ... except ad.DeviceMismatchError as e:
     ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
     Tensor on device cpu is not on the expected device meta!
-    It failed in model.0 (Linear): input args[0] on meta; model.0.* on cpu (2 tensors).
+    It failed in model.0 (Linear.forward): input on meta; model.0.* on cpu (2 tensors).
     The model is on 1 device: cpu (2 tensors).
     Move everything to cpu: ad.to(model, "cpu") moves a model in place;
     batch = ad.to(batch, "cpu") moves a batch.
@@ -299,41 +300,28 @@ class diagnose:
     report names. Only device mismatches are replaced (with :class:`DeviceMismatchError`,
     the original as ``__cause__``); every other exception passes through untouched.
 
-    Inside the block each submodule of ``model`` carries a forward pre-hook and a forward
-    hook, removed on exit (also on error), so the report names the submodule that failed
-    and the devices of its inputs. They cost a few microseconds per submodule call (see
-    ``benchmarks/bench_to.py``); ``trace=False`` leaves the model alone and reports only
-    the model and the inputs. A compiled model (``torch.compile``) is never hooked, since
-    hooks would make it recompile.
+    The report names the module method that failed and the devices of the tensors it held
+    at that moment (its arguments and locals, and the module's own parameters and buffers),
+    read from the error's traceback; when the error came from code outside any module (a
+    loss, the training step), that code's tensors instead. Nothing is hooked or wrapped, so
+    the block runs exactly as fast as without ``diagnose``, compiled models included.
 
     Args:
         model: the model whose parameters and buffers the report lists.
         inputs, named_inputs: inputs to list too (``args[0]``, or by keyword).
-        trace: hook the submodules to name the one that failed.
 
     Raises:
         DeviceMismatchError: the block raised torch's device-mismatch error.
     """
 
-    def __init__(
-        self, model: nn.Module, *inputs: object, trace: bool = True, **named_inputs: object
-    ) -> None:
+    def __init__(self, model: nn.Module, *inputs: object, **named_inputs: object) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"diagnose() takes an nn.Module, not {type(model).__name__}")
         self.model = model
         self.inputs = inputs
         self.named_inputs = named_inputs
-        self.trace = (
-            trace
-            and not hasattr(model, "_orig_mod")  # torch.compile's OptimizedModule
-            and not isinstance(model, torch.jit.ScriptModule)
-        )
-        self._sessions: list[_Session] = []
 
     def __enter__(self) -> diagnose:
-        session = _Session(self)
-        session.start()
-        self._sessions.append(session)
         return self
 
     def __exit__(
@@ -342,10 +330,8 @@ class diagnose:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        session = self._sessions.pop()
-        session.stop()
         if exc is not None and is_device_mismatch(exc):
-            raise session.error(exc) from exc
+            raise self._error(exc, self._inputs()) from exc
 
     def __call__(self, fn: F) -> F:
         try:
@@ -355,91 +341,43 @@ class diagnose:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            session = _Session(self, (signature, args, kwargs))
-            session.start()
             try:
                 return fn(*args, **kwargs)
             except Exception as e:
                 if is_device_mismatch(e):
-                    raise session.error(e) from e
+                    raise self._error(e, self._inputs(signature, args, kwargs)) from e
                 raise
-            finally:
-                session.stop()
 
         return wrapper  # type: ignore[return-value]
 
-
-class _Session:
-    """One pass through a :class:`diagnose` block: its hooks and the modules running."""
-
-    __slots__ = ("call", "handles", "owner", "stack")
-
-    def __init__(
+    def _inputs(
         self,
-        owner: diagnose,
-        call: tuple[inspect.Signature | None, tuple[Any, ...], dict[str, Any]] | None = None,
-    ) -> None:
-        self.owner = owner
-        self.call = call
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.stack: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
-
-    def start(self) -> None:
-        if not self.owner.trace:
-            return
-        try:
-            for module in self.owner.model.modules():
-                if isinstance(module, torch.jit.ScriptModule):
-                    continue
-                self.handles.append(module.register_forward_pre_hook(self.pre, with_kwargs=True))
-                self.handles.append(module.register_forward_hook(self.post))
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.stack.append((module, args, kwargs))
-
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        stack = self.stack
-        while stack:  # also drops modules whose error their caller caught
-            if stack.pop()[0] is module:
-                break
-
-    def inputs(self) -> list[tuple[str, object]]:
+        signature: inspect.Signature | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[tuple[str, object]]:
         named: list[tuple[str, object]] = [
-            (f"input args[{i}]", x) for i, x in enumerate(self.owner.inputs)
+            (f"input args[{i}]", x) for i, x in enumerate(self.inputs)
         ]
-        named += [(f"input {k}", v) for k, v in self.owner.named_inputs.items()]
-        if self.call is not None:
-            signature, args, kwargs = self.call
-            if signature is not None:
-                try:
-                    bound = signature.bind_partial(*args, **kwargs).arguments
-                except TypeError:
-                    bound = {}
-                named += [(f"input {k}", v) for k, v in bound.items() if v is not self.owner.model]
-            else:
-                named += [(f"input args[{i}]", x) for i, x in enumerate(args)]
-                named += [(f"input {k}", v) for k, v in kwargs.items()]
-        return named
+        named += [(f"input {k}", v) for k, v in self.named_inputs.items()]
+        kwargs = kwargs or {}
+        if signature is not None:
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                bound = {}
+            named += [(f"input {k}", v) for k, v in bound.items()]
+        else:
+            named += [(f"input args[{i}]", x) for i, x in enumerate(args)]
+            named += [(f"input {k}", v) for k, v in kwargs.items()]
+        return [(k, v) for k, v in named if not isinstance(v, nn.Module)]
 
-    def error(self, exc: BaseException) -> DeviceMismatchError:
+    def _error(self, exc: BaseException, inputs: list[tuple[str, object]]) -> DeviceMismatchError:
         text = str(exc).strip()
-        extra = [text.splitlines()[0][:400] if text else type(exc).__name__]
-        seen: collections.Counter[torch.device] = collections.Counter()
-        if self.owner.trace:
-            where, devices = self.failed_in()
-            extra.append(where)
-            seen.update(devices)
+        where, seen = _failed_in(exc, self.model)
+        extra = [text.splitlines()[0][:400] if text else type(exc).__name__, where]
         survey = _Survey()
-        survey.add_model(self.owner.model)
-        inputs = [(k, v) for k, v in self.inputs() if not isinstance(v, nn.Module)]
+        survey.add_model(self.model)
         for label, obj in inputs:
             survey.add(label, obj)
         seen.update(survey.devices())
@@ -448,32 +386,60 @@ class _Session:
         headline = f"{what} on {n} device{'s' if n != 1 else ''}"
         return survey.error(headline, extra=extra, suggest_from=seen)
 
-    def failed_in(self) -> tuple[str, dict[torch.device, int]]:
-        model = self.owner.model
-        if not self.stack:
-            return (
-                "It failed outside the model's modules (in a loss, or other code in the "
-                "block): look at the tensors that code uses.",
-                {},
-            )
-        module, args, kwargs = self.stack[-1]
+
+def _frames(exc: BaseException) -> list[FrameType]:
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _is_library(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return isinstance(name, str) and name.split(".")[0] in ("torch", "anydevice", "contextlib")
+
+
+def _failed_in(
+    exc: BaseException, model: nn.Module
+) -> tuple[str, collections.Counter[torch.device]]:
+    """Where ``exc`` was raised: the innermost module method on its traceback (else the
+    innermost frame of the caller's code), with the devices of the tensors it held."""
+    frames = _frames(exc)
+    module_frame = next(
+        (f for f in reversed(frames) if isinstance(f.f_locals.get("self"), nn.Module)), None
+    )
+    survey = _Survey()
+    module: nn.Module | None = None
+    if module_frame is not None:
+        module = module_frame.f_locals["self"]
         names = {id(m): name for name, m in model.named_modules()}
-        name = names.get(id(module), "")
-        label = f"model.{name}" if name else "model"
-        survey = _Survey()
-        for i, x in enumerate(args):
-            survey.add(f"input args[{i}]", x)
-        for k, v in kwargs.items():
-            survey.add(f"input {k}", v)
+        name = names.get(id(module))
+        label = "model" if name == "" else f"model.{name}" if name else type(module).__name__
+        outside = "" if name is not None else ", which is not part of the model"
+        place = f"{label} ({type(module).__name__}.{module_frame.f_code.co_name}{outside})"
+        frame = module_frame
+    else:
+        frame = next((f for f in reversed(frames) if not _is_library(f)), frames[-1])
+        place = (
+            f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{frame.f_lineno}, outside "
+            "the model's modules"
+        )
+        label = ""
+    for key, value in frame.f_locals.items():
+        if key != "self" and not isinstance(value, nn.Module):
+            survey.add(f"{key}", value)
+    if module is not None:
         survey.add_model(module, label, recurse=False)
-        groups = survey.groups()
-        where = "; ".join(f"{p} on {d}{note}" for p, d, _, note in groups[:_LINE_CAP])
-        text = f"It failed in {label} ({type(module).__name__}): {where or 'no tensors'}."
-        devices = survey.devices()
-        if len(devices) <= 1:
-            text += (
-                f" Everything {label} received and holds is on one device, so the other "
-                "tensor was made in its forward (torch.zeros, arange, tensor, ... without "
-                "device=x.device) or is held by it in a plain attribute or a list."
-            )
-        return text, devices
+    groups = survey.groups()
+    held = "; ".join(f"{p} on {d}{note}" for p, d, _, note in groups[:_LINE_CAP])
+    text = f"It failed in {place}: {held or 'it holds no tensor'}."
+    devices = collections.Counter(survey.devices())
+    if len(devices) <= 1:
+        text += (
+            " Everything it holds is on one device, so the other tensor was made inside the "
+            "failing call (torch.zeros, arange, tensor, ... without device=x.device) or is "
+            "kept where this report cannot see it (a list, another object)."
+        )
+    return text, devices
