@@ -392,3 +392,22 @@ def test_report_line_format_matches_the_documented_example():
     assert re.fullmatch(
         r"(model\.[\w.]+\* on \S+ \(\d+ tensors\); )+input batch\['mask'\] on cpu\.", line
     )
+
+
+def test_diagnose_in_a_script_lists_only_its_tensors_not_its_containers():
+    script = (
+        "dataset = [torch.ones(1) for _ in range(100)]\n"
+        "with fake():\n"
+        "    model = fake_cuda(nn.Linear(2, 2))\n"
+        "    x = torch.ones(2, device='cuda')\n"
+        "    with ad.diagnose(model):\n"
+        "        y = x + torch.ones(2)\n"
+    )
+    namespace = {"torch": torch, "nn": nn, "ad": ad, "fake": fake, "fake_cuda": fake_cuda}
+    with pytest.raises(ad.DeviceMismatchError) as info:
+        exec(compile(script, "train.py", "exec"), namespace)
+    text = str(info.value)
+    assert (
+        "It failed in <module>() at train.py:6, outside the model's modules: x on cuda:0." in text
+    )
+    assert "dataset" not in text

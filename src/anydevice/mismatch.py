@@ -387,11 +387,12 @@ class diagnose:
         return survey.error(headline, extra=extra, suggest_from=seen)
 
 
-def _frames(exc: BaseException) -> list[FrameType]:
+def _frames(exc: BaseException) -> list[tuple[FrameType, int]]:
+    """The frames of ``exc``'s traceback, outermost first, with the line each was on."""
     frames = []
     tb = exc.__traceback__
     while tb is not None:
-        frames.append(tb.tb_frame)
+        frames.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
     return frames
 
@@ -407,8 +408,10 @@ def _failed_in(
     """Where ``exc`` was raised: the innermost module method on its traceback (else the
     innermost frame of the caller's code), with the devices of the tensors it held."""
     frames = _frames(exc)
+    if not frames:
+        return "Where it failed is unknown (the error carries no traceback).", collections.Counter()
     module_frame = next(
-        (f for f in reversed(frames) if isinstance(f.f_locals.get("self"), nn.Module)), None
+        (f for f, _ in reversed(frames) if isinstance(f.f_locals.get("self"), nn.Module)), None
     )
     survey = _Survey()
     module: nn.Module | None = None
@@ -421,15 +424,18 @@ def _failed_in(
         place = f"{label} ({type(module).__name__}.{module_frame.f_code.co_name}{outside})"
         frame = module_frame
     else:
-        frame = next((f for f in reversed(frames) if not _is_library(f)), frames[-1])
+        frame, line = next(((f, n) for f, n in reversed(frames) if not _is_library(f)), frames[-1])
         place = (
-            f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{frame.f_lineno}, outside "
-            "the model's modules"
+            f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{line}, outside the "
+            "model's modules"
         )
         label = ""
+    top_level = frame.f_code.co_name == "<module>"  # its locals are a script's globals
     for key, value in frame.f_locals.items():
-        if key != "self" and not isinstance(value, nn.Module):
-            survey.add(f"{key}", value)
+        if key == "self" or isinstance(value, nn.Module):
+            continue
+        if not top_level or isinstance(value, torch.Tensor):
+            survey.add(key, value)
     if module is not None:
         survey.add_model(module, label, recurse=False)
     groups = survey.groups()
