@@ -1,4 +1,4 @@
-"""ad.check_devices and ad.diagnose against torch's own device-mismatch errors.
+"""ad.device_of, ad.check_devices and ad.diagnose, against torch's own mismatch errors.
 
 Without a GPU, ``FakeTensorMode`` builds fake ``cuda`` tensors (shapes and devices, no
 data) and raises torch's real mismatch error when an operation mixes them with CPU
@@ -11,19 +11,26 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import anydevice as ad
-from anydevice.mismatch import is_device_mismatch
+from anydevice.mismatch import is_device_mismatch, tensors
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+class Pair(NamedTuple):
+    a: Any
+    b: Any
 
 
 @contextmanager
@@ -69,6 +76,58 @@ def half_moved() -> Model:
     model = Model()
     fake_cuda(model.encoder)
     return model
+
+
+# ----------------------------------------------------------------------------- device_of
+
+
+def test_device_of_model_batch_and_tensor():
+    assert ad.device_of(nn.Linear(2, 2)) == CPU
+    assert ad.device_of(nn.Linear(2, 2, device="meta")) == META
+    assert ad.device_of({"x": [torch.ones(1, device="meta")], "s": "text"}) == META
+    assert ad.device_of(torch.ones(1)) == CPU
+
+
+def test_device_of_spread_model_raises_mismatch_with_report():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(ad.DeviceMismatchError) as info:
+        ad.device_of(model)
+    text = str(info.value)
+    assert "model.0.* on cpu (2 tensors)" in text and "model.1.* on meta (2 tensors)" in text
+    assert info.value.devices == {CPU: 2, META: 2}
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_device_of_without_tensors_is_a_clear_error():
+    with pytest.raises(ad.NoTensorError, match="holds no tensor"):
+        ad.device_of(nn.ReLU())
+    with pytest.raises(ValueError, match="holds no tensor"):
+        ad.device_of(["a", 1])
+
+
+def test_devices_of_counts_every_device():
+    batch = {"a": torch.ones(1), "b": [torch.ones(1, device="meta"), torch.ones(1)]}
+    assert ad.devices_of(batch) == {CPU: 2, META: 1}
+    assert ad.devices_of(["no tensors"]) == {}
+
+
+def test_devices_of_optimizer_ignores_step_counters_on_cpu():
+    model = nn.Linear(3, 2, device="meta")
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
+    assert ad.devices_of(opt) == {META: 4}
+
+
+def test_devices_of_packed_sequence_ignores_batch_sizes():
+    packed = ad.to(pack_padded_sequence(torch.ones(2, 3, 4), [3, 1], batch_first=True), META)
+    assert ad.device_of(packed) == META
+
+
+def test_tensors_lists_paths():
+    paths = [p for p, _ in tensors({"m": nn.Linear(1, 1), "p": Pair(torch.ones(1), 0)}, "b")]
+    assert paths == ["b['m'].weight", "b['m'].bias", "b['p'].a"]
 
 
 # ----------------------------------------------------------------------------- recognising

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import anydevice as ad
-from anydevice.placement import _accepts_non_blocking, _auto_non_blocking, target_device, tensors
+from anydevice.placement import _accepts_non_blocking, _auto_non_blocking, target_device
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -473,58 +473,6 @@ def test_optimizer_whose_parameters_are_elsewhere_is_refused():
         ad.to(opt, META)
     assert "param_groups[0]['params'][0] on cpu" in str(info.value)
     assert opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].device == CPU
-
-
-# ----------------------------------------------------------------------------- device_of
-
-
-def test_device_of_model_batch_and_tensor():
-    assert ad.device_of(nn.Linear(2, 2)) == CPU
-    assert ad.device_of(nn.Linear(2, 2, device="meta")) == META
-    assert ad.device_of({"x": [torch.ones(1, device="meta")], "s": "text"}) == META
-    assert ad.device_of(torch.ones(1)) == CPU
-
-
-def test_device_of_spread_model_raises_mismatch_with_report():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    model[1].to("meta")
-    with pytest.raises(ad.DeviceMismatchError) as info:
-        ad.device_of(model)
-    text = str(info.value)
-    assert "model.0.* on cpu (2 tensors)" in text and "model.1.* on meta (2 tensors)" in text
-    assert info.value.devices == {CPU: 2, META: 2}
-    assert isinstance(info.value, RuntimeError)
-
-
-def test_device_of_without_tensors_is_a_clear_error():
-    with pytest.raises(ad.NoTensorError, match="holds no tensor"):
-        ad.device_of(nn.ReLU())
-    with pytest.raises(ValueError, match="holds no tensor"):
-        ad.device_of(["a", 1])
-
-
-def test_devices_of_counts_every_device():
-    batch = {"a": torch.ones(1), "b": [torch.ones(1, device="meta"), torch.ones(1)]}
-    assert ad.devices_of(batch) == {CPU: 2, META: 1}
-    assert ad.devices_of(["no tensors"]) == {}
-
-
-def test_devices_of_optimizer_ignores_step_counters_on_cpu():
-    model = nn.Linear(3, 2, device="meta")
-    opt = torch.optim.Adam(model.parameters())
-    for p in model.parameters():
-        opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p)}
-    assert ad.devices_of(opt) == {META: 4}
-
-
-def test_devices_of_packed_sequence_ignores_batch_sizes():
-    packed = ad.to(pack_padded_sequence(torch.ones(2, 3, 4), [3, 1], batch_first=True), META)
-    assert ad.device_of(packed) == META
-
-
-def test_tensors_lists_paths():
-    paths = [p for p, _ in tensors({"m": nn.Linear(1, 1), "p": Pair(torch.ones(1), 0)}, "b")]
-    assert paths == ["b['m'].weight", "b['m'].bias", "b['p'].a"]
 
 
 # ----------------------------------------------------------------------------- properties

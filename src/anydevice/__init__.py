@@ -22,8 +22,8 @@ from anydevice.errors import (
     VisibilityError,
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
-from anydevice.mismatch import check_devices, diagnose
-from anydevice.placement import device_of, devices_of, to
+from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
+from anydevice.placement import to
 from anydevice.selection import (
     DeviceLike,
     describe,

@@ -1,8 +1,10 @@
-"""Which tensor is on the wrong device: :func:`check_devices` and :func:`diagnose`.
+"""Where tensors are, and which are on the wrong device.
 
-Both answer torch's "Expected all tensors to be on the same device" with a short report:
-parameters and buffers grouped by module path (a subtree entirely on one device collapses
-to ``model.encoder.*``), each input by its path, each with its device::
+:func:`device_of` and :func:`devices_of` say where a model, optimizer or batch lives.
+:func:`check_devices` and :func:`diagnose` answer torch's "Expected all tensors to be on
+the same device" with a short report: parameters and buffers grouped by module path (a
+subtree entirely on one device collapses to ``model.encoder.*``), each input by its path,
+each with its device::
 
     model.encoder.* on cuda:0 (124 tensors); model.head.weight on cpu; input batch['mask'] on cpu
 
@@ -18,10 +20,11 @@ per submodule on each entry, and torch.compile would recompile on them.)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
@@ -29,9 +32,20 @@ import torch
 from torch import nn
 
 from anydevice.errors import DeviceMismatchError, NoTensorError
-from anydevice.placement import walk
+from anydevice.placement import ATOMIC
 
-__all__ = ["check_devices", "diagnose", "is_device_mismatch", "report"]
+Tensor = torch.Tensor
+
+__all__ = [
+    "check_devices",
+    "device_of",
+    "devices_of",
+    "diagnose",
+    "is_device_mismatch",
+    "report",
+    "tensors",
+    "walk",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,6 +102,119 @@ def _device_word(type_name: str) -> str:
         if word in low:
             return word
     return "cpu"
+
+
+# ----------------------------------------------------------------------------- where
+
+
+def tensors(obj: object, root: str = "obj") -> Iterator[tuple[str, Tensor]]:
+    """Every tensor in ``obj`` with its path, in the order :func:`to` visits them.
+
+    >>> [p for p, _ in tensors({"x": torch.ones(1), "y": [torch.ones(1)]}, "batch")]
+    ["batch['x']", "batch['y'][0]"]
+    """
+    for parts, t in walk(obj):
+        yield root + "".join(parts), t
+
+
+def walk(obj: object) -> Iterator[tuple[tuple[str, ...], Tensor]]:
+    """Every tensor in ``obj`` with its path as parts (``("['x']", "[0]")``).
+
+    A module yields its parameters and buffers (``.encoder``, ``.weight``); an optimizer
+    its parameters and their state (not the ``step`` counters, which torch keeps on the
+    CPU); a ``PackedSequence`` its data and indices (``batch_sizes`` lives on the CPU by
+    design). Containers seen twice are visited once; other objects are not looked into.
+    """
+    yield from _walk(obj, (), set())
+
+
+def _walk(
+    obj: object, path: tuple[str, ...], seen: set[int]
+) -> Iterator[tuple[tuple[str, ...], Tensor]]:
+    if isinstance(obj, Tensor):
+        yield path, obj
+        return
+    if type(obj) in ATOMIC or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, nn.Module):
+        for name, t in (*obj.named_parameters(), *obj.named_buffers()):
+            yield (*path, *("." + part for part in name.split("."))), t
+    elif isinstance(obj, torch.optim.Optimizer):
+        for g, group in enumerate(obj.param_groups):
+            for i, p in enumerate(group["params"]):
+                at = (*path, f".param_groups[{g}]['params'][{i}]")
+                yield at, p
+                for key, value in obj.state.get(p, {}).items():
+                    if key != "step":
+                        yield from _walk(value, (*at, f".state[{key!r}]"), seen)
+    elif isinstance(obj, nn.utils.rnn.PackedSequence):
+        yield (*path, ".data"), obj.data
+        for name in ("sorted_indices", "unsorted_indices"):
+            t = getattr(obj, name)
+            if t is not None:
+                yield (*path, "." + name), t
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _walk(v, (*path, f"[{k!r}]"), seen)
+    elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
+        for name, v in zip(type(obj)._fields, obj, strict=True):  # type: ignore[attr-defined]
+            yield from _walk(v, (*path, "." + name), seen)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, (*path, f"[{i}]"), seen)
+    elif isinstance(obj, (set, frozenset)):
+        for v in obj:
+            yield from _walk(v, (*path, "{...}"), seen)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name, None), (*path, "." + f.name), seen)
+
+
+def devices_of(obj: object) -> dict[torch.device, int]:
+    """Every device ``obj``'s tensors are on, with how many tensors, most first.
+
+    The variant of :func:`device_of` that does not insist on one device. An empty dict
+    means no tensor.
+
+    >>> devices_of({"x": torch.ones(1), "y": torch.ones(1, device="meta")})
+    {device(type='cpu'): 1, device(type='meta'): 1}
+    """
+    counts: collections.Counter[torch.device] = collections.Counter(
+        t.device for _, t in tensors(obj)
+    )
+    return dict(counts.most_common())
+
+
+def device_of(obj: object) -> torch.device:
+    """The one device a model (its parameters and buffers), a batch or a tensor is on.
+
+    >>> device_of(torch.nn.Linear(2, 2))
+    device(type='cpu')
+    >>> device_of({"x": torch.ones(1), "y": [torch.ones(1)]})
+    device(type='cpu')
+
+    Objects are looked into as :func:`to` moves them; every tensor is looked at. For all
+    devices with their counts, use :func:`devices_of`.
+
+    Raises:
+        DeviceMismatchError: the tensors are on several devices; the message lists which
+            are where (the report of :func:`anydevice.check_devices`).
+        NoTensorError: ``obj`` holds no tensor (a model with no parameter or buffer, a
+            batch of strings).
+    """
+    if isinstance(obj, Tensor):
+        return obj.device
+    found = devices_of(obj)
+    if len(found) == 1:
+        return next(iter(found))
+    if not found:
+        raise NoTensorError(
+            f"device_of(): the {type(obj).__name__} holds no tensor, so it is on no device "
+            "(a model needs a parameter or buffer; a batch needs a tensor)."
+        )
+    name = "model" if isinstance(obj, nn.Module) else "obj"
+    raise report([(name, obj)], f"device_of(): the {type(obj).__name__} is on {len(found)} devices")
 
 
 # ----------------------------------------------------------------------------- the report

@@ -1,4 +1,4 @@
-"""Moving things to a device: :func:`to`, and asking where they are: :func:`device_of`.
+"""Moving things to a device: :func:`to`.
 
 :func:`to` is called once per batch in training loops, so it is built for that: the
 device is resolved once per call, the walk dispatches on the exact type first (``dict``,
@@ -6,7 +6,7 @@ device is resolved once per call, the walk dispatches on the exact type first (`
 a tensor already on the target is returned as it is, without calling ``Tensor.to``.
 Containers are rebuilt, never mutated; leaves that need no move are the same objects.
 
-Where a mismatch already happened, :mod:`anydevice.mismatch` explains it.
+Where things are, and which are on the wrong device: :mod:`anydevice.mismatch`.
 """
 
 from __future__ import annotations
@@ -17,25 +17,17 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
 
-from anydevice.errors import MoveError, NoTensorError
+from anydevice.errors import MoveError
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as _select_device
 
-__all__ = [
-    "NonBlocking",
-    "device_of",
-    "devices_of",
-    "target_device",
-    "tensors",
-    "to",
-    "walk",
-]
+__all__ = ["ATOMIC", "NonBlocking", "target_device", "to"]
 
 T = TypeVar("T")
 
@@ -43,8 +35,8 @@ T = TypeVar("T")
 NonBlocking = bool | Literal["auto"]
 
 Tensor = torch.Tensor
-# Leaves that are never looked into (exact types; subclasses take the slower path).
-_ATOMIC: frozenset[type] = frozenset(
+#: Leaves that are never looked into (exact types; subclasses take the slower path).
+ATOMIC: frozenset[type] = frozenset(
     {str, bytes, bytearray, int, float, complex, bool, type(None), torch.device, torch.dtype,
      torch.Size, range, slice, type(Ellipsis)}
 )  # fmt: skip
@@ -259,7 +251,7 @@ class _Mover:
             return self.list(obj)
         if t is tuple:
             return tuple(self.list(obj))
-        if t in _ATOMIC:
+        if t in ATOMIC:
             return obj
         return self.other(obj, t)
 
@@ -518,118 +510,3 @@ def _accepts_non_blocking(cls: type) -> bool:
         or (p.name == "non_blocking" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         for p in params
     )
-
-
-# ----------------------------------------------------------------------------- where
-
-
-def tensors(obj: object, root: str = "obj") -> Iterator[tuple[str, Tensor]]:
-    """Every tensor in ``obj`` with its path, in the order :func:`to` visits them.
-
-    >>> [p for p, _ in tensors({"x": torch.ones(1), "y": [torch.ones(1)]}, "batch")]
-    ["batch['x']", "batch['y'][0]"]
-    """
-    for parts, t in walk(obj):
-        yield root + "".join(parts), t
-
-
-def walk(obj: object) -> Iterator[tuple[tuple[str, ...], Tensor]]:
-    """Every tensor in ``obj`` with its path as parts (``("['x']", "[0]")``).
-
-    A module yields its parameters and buffers (``.encoder``, ``.weight``); an optimizer
-    its parameters and their state (not the ``step`` counters, which torch keeps on the
-    CPU); a ``PackedSequence`` its data and indices (``batch_sizes`` lives on the CPU by
-    design). Containers seen twice are visited once; other objects are not looked into.
-    """
-    yield from _walk(obj, (), set())
-
-
-def _walk(
-    obj: object, path: tuple[str, ...], seen: set[int]
-) -> Iterator[tuple[tuple[str, ...], Tensor]]:
-    if isinstance(obj, Tensor):
-        yield path, obj
-        return
-    if type(obj) in _ATOMIC or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, nn.Module):
-        for name, t in (*obj.named_parameters(), *obj.named_buffers()):
-            yield (*path, *("." + part for part in name.split("."))), t
-    elif isinstance(obj, torch.optim.Optimizer):
-        for g, group in enumerate(obj.param_groups):
-            for i, p in enumerate(group["params"]):
-                at = (*path, f".param_groups[{g}]['params'][{i}]")
-                yield at, p
-                for key, value in obj.state.get(p, {}).items():
-                    if key != "step":
-                        yield from _walk(value, (*at, f".state[{key!r}]"), seen)
-    elif isinstance(obj, nn.utils.rnn.PackedSequence):
-        yield (*path, ".data"), obj.data
-        for name in ("sorted_indices", "unsorted_indices"):
-            t = getattr(obj, name)
-            if t is not None:
-                yield (*path, "." + name), t
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from _walk(v, (*path, f"[{k!r}]"), seen)
-    elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):
-        for name, v in zip(type(obj)._fields, obj, strict=True):  # type: ignore[attr-defined]
-            yield from _walk(v, (*path, "." + name), seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, (*path, f"[{i}]"), seen)
-    elif isinstance(obj, (set, frozenset)):
-        for v in obj:
-            yield from _walk(v, (*path, "{...}"), seen)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _walk(getattr(obj, f.name, None), (*path, "." + f.name), seen)
-
-
-def devices_of(obj: object) -> dict[torch.device, int]:
-    """Every device ``obj``'s tensors are on, with how many tensors, most first.
-
-    The variant of :func:`device_of` that does not insist on one device. An empty dict
-    means no tensor.
-
-    >>> devices_of({"x": torch.ones(1), "y": torch.ones(1, device="meta")})
-    {device(type='cpu'): 1, device(type='meta'): 1}
-    """
-    counts: collections.Counter[torch.device] = collections.Counter(
-        t.device for _, t in tensors(obj)
-    )
-    return dict(counts.most_common())
-
-
-def device_of(obj: object) -> torch.device:
-    """The one device a model (its parameters and buffers), a batch or a tensor is on.
-
-    >>> device_of(torch.nn.Linear(2, 2))
-    device(type='cpu')
-    >>> device_of({"x": torch.ones(1), "y": [torch.ones(1)]})
-    device(type='cpu')
-
-    Objects are looked into as :func:`to` moves them; every tensor is looked at. For all
-    devices with their counts, use :func:`devices_of`.
-
-    Raises:
-        DeviceMismatchError: the tensors are on several devices; the message lists which
-            are where (the report of :func:`anydevice.check_devices`).
-        NoTensorError: ``obj`` holds no tensor (a model with no parameter or buffer, a
-            batch of strings).
-    """
-    if isinstance(obj, Tensor):
-        return obj.device
-    found = devices_of(obj)
-    if len(found) == 1:
-        return next(iter(found))
-    if not found:
-        raise NoTensorError(
-            f"device_of(): the {type(obj).__name__} holds no tensor, so it is on no device "
-            "(a model needs a parameter or buffer; a batch needs a tensor)."
-        )
-    from anydevice.mismatch import report
-
-    name = "model" if isinstance(obj, nn.Module) else "obj"
-    raise report([(name, obj)], f"device_of(): the {type(obj).__name__} is on {len(found)} devices")
