@@ -245,3 +245,30 @@ def test_legacy_format_still_loads(tmp_path):
     path = tmp_path / "old.pt"
     torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
     assert torch.equal(ad.load(path, "cpu")["w"], torch.ones(2))
+
+
+def test_nanogpt_style_resume_round_trips_model_and_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+    checkpoint = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "model_args": {"n_layer": 2, "bias": False},
+        "iter_num": 1,
+        "best_val_loss": torch.tensor(3.25),
+        "config": {"dataset": "shakespeare_char", "dtype": "bfloat16"},
+    }
+    path = ad.save(checkpoint, tmp_path / "ckpt.pt")
+
+    loaded = ad.load(path, "cpu")  # weights_only=True is enough for all of it
+    resumed = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    resumed.load_state_dict(loaded["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    resumed_opt.load_state_dict(loaded["optimizer"])
+    assert loaded["iter_num"] == 1 and float(loaded["best_val_loss"]) == 3.25
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt.state[a]["exp_avg"], resumed_opt.state[b]["exp_avg"])
