@@ -14,6 +14,8 @@ DOCUMENTED = {
     "AnydeviceError", "DeviceInfo", "DeviceLike", "DeviceNotFoundError", "DeviceSpecError",
     "HostInfo", "Inventory", "ProcessInfo", "VisibilityError", "__version__", "describe",
     "device", "devices", "inventory", "restrict_visible", "try_all_gpus", "try_gpu",
+    "to", "device_of", "devices_of", "check_devices", "diagnose", "save", "load",
+    "DeviceMismatchError", "MoveError", "NoTensorError", "CheckpointError",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

@@ -10,13 +10,20 @@ The public API is what ``__all__`` lists; everything else is private.
 from __future__ import annotations
 
 from anydevice._version import __version__
+from anydevice.checkpoint import load, save
 from anydevice.errors import (
     AnydeviceError,
+    CheckpointError,
+    DeviceMismatchError,
     DeviceNotFoundError,
     DeviceSpecError,
+    MoveError,
+    NoTensorError,
     VisibilityError,
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
+from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
+from anydevice.placement import to
 from anydevice.selection import (
     DeviceLike,
     describe,
@@ -29,20 +36,31 @@ from anydevice.selection import (
 
 __all__ = [
     "AnydeviceError",
+    "CheckpointError",
     "DeviceInfo",
     "DeviceLike",
+    "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
     "HostInfo",
     "Inventory",
+    "MoveError",
+    "NoTensorError",
     "ProcessInfo",
     "VisibilityError",
     "__version__",
+    "check_devices",
     "describe",
     "device",
+    "device_of",
     "devices",
+    "devices_of",
+    "diagnose",
     "inventory",
+    "load",
     "restrict_visible",
+    "save",
+    "to",
     "try_all_gpus",
     "try_gpu",
 ]

@@ -7,17 +7,30 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     AnydeviceError
     ├── DeviceNotFoundError (LookupError)   a spec names a device that is not here
     ├── DeviceSpecError (ValueError)        a device spec that cannot be parsed
-    └── VisibilityError (RuntimeError)      CUDA_VISIBLE_DEVICES can no longer change
+    ├── VisibilityError (RuntimeError)      CUDA_VISIBLE_DEVICES can no longer change
+    ├── DeviceMismatchError (RuntimeError)  tensors that must share a device do not
+    ├── NoTensorError (ValueError)          device_of() was given an object with no tensor
+    ├── MoveError (RuntimeError)            to() could not move a part of an object
+    └── CheckpointError (RuntimeError)      save() or load() failed; the file is named
 
 Messages say what happened, with the values, and what to do.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "AnydeviceError",
+    "CheckpointError",
+    "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
+    "MoveError",
+    "NoTensorError",
     "VisibilityError",
 ]
 
@@ -36,3 +49,53 @@ class DeviceSpecError(AnydeviceError, ValueError):
 
 class VisibilityError(AnydeviceError, RuntimeError):
     """The set of visible GPUs can no longer change in this process."""
+
+
+class DeviceMismatchError(AnydeviceError, RuntimeError):
+    """Tensors that must be on one device are on several.
+
+    The message is a short report: parameter and buffer groups by module path, each input
+    by its path, with its device. The same facts are attributes:
+
+    Attributes:
+        devices: each device and how many tensors are on it, most first.
+        groups: ``(path, device, count)`` for each line of the report.
+        suggested: the device to move everything to (the accelerator most tensors are on,
+            else the CPU).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        devices: dict[torch.device, int] | None = None,
+        groups: tuple[tuple[str, torch.device, int], ...] = (),
+        suggested: torch.device | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.devices = dict(devices or {})
+        self.groups = groups
+        self.suggested = suggested
+
+
+class NoTensorError(AnydeviceError, ValueError):
+    """An object holds no tensor, so it has no device (``device_of(["a", 1])``)."""
+
+
+class MoveError(AnydeviceError, RuntimeError):
+    """``to()`` could not move a part of an object: a custom ``.to`` raised (the original is
+    the ``__cause__``), the structure refers back to itself, or an optimizer's parameters are
+    elsewhere. ``path`` says where, as in ``batch['inputs'][2]``."""
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointError(AnydeviceError, RuntimeError):
+    """``save()`` or ``load()`` failed: an object that cannot be pickled, a full disk, a
+    truncated or corrupt file. ``path`` is the checkpoint; the original is the ``__cause__``."""
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
