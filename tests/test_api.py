@@ -14,6 +14,8 @@ DOCUMENTED = {
     "AnydeviceError", "DeviceInfo", "DeviceLike", "DeviceNotFoundError", "DeviceSpecError",
     "HostInfo", "Inventory", "ProcessInfo", "VisibilityError", "__version__", "describe",
     "device", "devices", "inventory", "restrict_visible", "try_all_gpus", "try_gpu",
+    "Precision", "PrecisionError", "StepOrderError", "channels_last", "fast_matmul",
+    "precision",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

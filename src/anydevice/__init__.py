@@ -14,9 +14,14 @@ from anydevice.errors import (
     AnydeviceError,
     DeviceNotFoundError,
     DeviceSpecError,
+    PrecisionError,
+    StepOrderError,
     VisibilityError,
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
+from anydevice.layout import channels_last
+from anydevice.matmul import fast_matmul
+from anydevice.precision import Precision, precision
 from anydevice.selection import (
     DeviceLike,
     describe,
@@ -35,13 +40,19 @@ __all__ = [
     "DeviceSpecError",
     "HostInfo",
     "Inventory",
+    "Precision",
+    "PrecisionError",
     "ProcessInfo",
+    "StepOrderError",
     "VisibilityError",
     "__version__",
+    "channels_last",
     "describe",
     "device",
     "devices",
+    "fast_matmul",
     "inventory",
+    "precision",
     "restrict_visible",
     "try_all_gpus",
     "try_gpu",
