@@ -53,7 +53,7 @@ class Config:
     warmup: int
 
 
-CPU = Config(batch=8, seq=128, width=256, heads=4, steps=4, rounds=5, warmup=2)
+CPU = Config(batch=8, seq=128, width=256, heads=4, steps=4, rounds=15, warmup=2)
 GPU = Config(batch=16, seq=1024, width=1024, heads=16, steps=20, rounds=5, warmup=10)
 
 

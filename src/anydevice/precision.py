@@ -97,15 +97,17 @@ def _cuda_policy(info: DeviceInfo) -> _Policy:
     ccs = f"{cc[0]}.{cc[1]}"
     refused: dict[str, str] = {}
     caveats: dict[str, str] = {}
+    # The flag can only veto: ROCm's backend reports bf16=False, since AMD's architecture
+    # numbers say nothing about bf16. Forcing bf16 there stays allowed.
     native_bf16 = cc >= (8, 0) and info.bf16 is not False
-    if not native_bf16:
-        what = (
+    if cc < (8, 0):
+        refused["bf16"] = (
             f"bf16 needs compute capability 8.0 or later (Ampere, Ada, Hopper, Blackwell) and "
-            f"{who} has {ccs}: it would be emulated, slower than fp32"
-            if cc < (8, 0)
-            else f"the backend reports no native bf16 on {who}"
+            f"{who} has {ccs}: it would be emulated, slower than fp32. Use mode='fp16' "
+            "(gradient scaling is automatic) or 'auto'."
         )
-        refused["bf16"] = f"{what}. Use mode='fp16' (gradient scaling is automatic) or 'auto'."
+    elif not native_bf16:
+        caveats["bf16"] = "the backend does not report native bf16 for this GPU"
     if cc < (5, 3):
         refused["fp16"] = (
             f"{who} (compute capability {ccs}) has no fp16 arithmetic; it starts at 5.3. "
