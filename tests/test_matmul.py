@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,6 +109,14 @@ def test_works_as_a_decorator() -> None:
     assert inside() == "high"
     assert inside() == "high"
     assert observe() == before
+
+
+def test_warns_about_nothing() -> None:
+    # torch 2.9-2.12 warn once when the legacy API is used; here it is used on purpose.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ad.fast_matmul():
+            torch.backends.cuda.matmul.allow_tf32  # noqa: B018
 
 
 def test_an_unknown_precision_is_refused() -> None:

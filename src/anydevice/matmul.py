@@ -15,6 +15,7 @@ tree values are inherited rather than set, and the legacy values hidden behind t
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +37,17 @@ _MATMUL: tuple[Node, ...] = (("cuda", "matmul"), ("mkldnn", "matmul"))
 #: How torch starts cuDNN conv and RNN: they inherit, and are "tf32" when nothing above is
 #: set. No setter can put this state back, so it is never written, only left alone.
 DEFAULT = "default"
+
+
+@contextlib.contextmanager
+def _legacy_on_purpose() -> Iterator[None]:
+    """torch 2.9 to 2.12 warn once that the legacy TF32 API will be deprecated. Here it is
+    used on purpose, to keep both APIs in agreement: the warning would only mislead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", "Please use the new API settings to control TF32", UserWarning
+        )
+        yield
 
 
 def _has_tree() -> bool:
@@ -136,6 +148,11 @@ class MathSettings:
     @classmethod
     def capture(cls) -> MathSettings:
         """Read the current settings (briefly moving some, to tell stored from inherited)."""
+        with _legacy_on_purpose():
+            return cls._read()
+
+    @classmethod
+    def _read(cls) -> MathSettings:
         if not _has_tree():  # torch < 2.9: only the legacy flags exist
             return cls(torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32))
         tree = {_GENERIC: _get(_GENERIC)}  # the root inherits from nothing
@@ -151,6 +168,10 @@ class MathSettings:
         torch's initial cuDNN conv/RNN state cannot be set; it comes back only if nothing
         wrote those two settings in between (:func:`fast_matmul` never does).
         """
+        with _legacy_on_purpose():
+            self._write()
+
+    def _write(self) -> None:
         torch.set_float32_matmul_precision(self.matmul_precision)  # writes the matmul leaves
         if not self.tree:
             torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
@@ -161,7 +182,8 @@ class MathSettings:
             if value != DEFAULT:
                 _put(node, value)
 
-    def _enable(self, precision: str) -> None:
+    def _turn_on(self, precision: str) -> None:
+        """TF32 on, starting from these settings (which must be the current ones)."""
         torch.set_float32_matmul_precision(precision)
         if not self.cudnn_tf32 or not self.tree:
             # The legacy flag is False only after its setter wrote conv and RNN: no DEFAULT.
@@ -207,7 +229,8 @@ def fast_matmul(precision: Literal["high", "medium"] = "high") -> Iterator[MathS
         )
     saved = MathSettings.capture()
     try:
-        saved._enable(precision)
+        with _legacy_on_purpose():
+            saved._turn_on(precision)
         yield saved
     finally:
         saved.restore()
