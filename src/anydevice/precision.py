@@ -325,6 +325,7 @@ class Precision:
 
     @property
     def device(self) -> torch.device:
+        """The device, as a ``torch.device``; autocast uses its type."""
         return self._info.torch_device
 
     @property
