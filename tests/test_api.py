@@ -16,6 +16,8 @@ DOCUMENTED = {
     "device", "devices", "inventory", "restrict_visible", "try_all_gpus", "try_gpu",
     "to", "device_of", "devices_of", "check_devices", "diagnose", "save", "load",
     "DeviceMismatchError", "MoveError", "NoTensorError", "CheckpointError",
+    "Precision", "PrecisionError", "StepOrderError", "channels_last", "fast_matmul",
+    "precision",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

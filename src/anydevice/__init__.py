@@ -19,11 +19,16 @@ from anydevice.errors import (
     DeviceSpecError,
     MoveError,
     NoTensorError,
+    PrecisionError,
+    StepOrderError,
     VisibilityError,
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
+from anydevice.layout import channels_last
+from anydevice.matmul import fast_matmul
 from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
 from anydevice.placement import to
+from anydevice.precision import Precision, precision
 from anydevice.selection import (
     DeviceLike,
     describe,
@@ -46,9 +51,13 @@ __all__ = [
     "Inventory",
     "MoveError",
     "NoTensorError",
+    "Precision",
+    "PrecisionError",
     "ProcessInfo",
+    "StepOrderError",
     "VisibilityError",
     "__version__",
+    "channels_last",
     "check_devices",
     "describe",
     "device",
@@ -56,8 +65,10 @@ __all__ = [
     "devices",
     "devices_of",
     "diagnose",
+    "fast_matmul",
     "inventory",
     "load",
+    "precision",
     "restrict_visible",
     "save",
     "to",

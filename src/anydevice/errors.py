@@ -11,7 +11,9 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── DeviceMismatchError (RuntimeError)  tensors that must share a device do not
     ├── NoTensorError (ValueError)          device_of() was given an object with no tensor
     ├── MoveError (RuntimeError)            to() could not move a part of an object
-    └── CheckpointError (RuntimeError)      save() or load() failed; the file is named
+    ├── CheckpointError (RuntimeError)      save() or load() failed; the file is named
+    ├── PrecisionError (ValueError)         a precision mode unknown, or one the device cannot run
+    └── StepOrderError (RuntimeError)       backward / unscale_ / step called out of order
 
 Messages say what happened, with the values, and what to do.
 """
@@ -31,6 +33,8 @@ __all__ = [
     "DeviceSpecError",
     "MoveError",
     "NoTensorError",
+    "PrecisionError",
+    "StepOrderError",
     "VisibilityError",
 ]
 
@@ -45,6 +49,17 @@ class DeviceNotFoundError(AnydeviceError, LookupError):
 
 class DeviceSpecError(AnydeviceError, ValueError):
     """A device spec that cannot be parsed (``"cuda:x"``, ``"gpu:-1"``, ``"cuda:0,1"``)."""
+
+
+class PrecisionError(AnydeviceError, ValueError):
+    """A precision mode that is unknown, or that the device cannot run natively (bf16 on a
+    GPU before compute capability 8.0, fp16 on a TPU, ...)."""
+
+
+class StepOrderError(AnydeviceError, RuntimeError):
+    """``Precision.unscale_`` or ``Precision.step`` called out of order: twice in one step,
+    or before any ``Precision.backward``. Caught on every device, so a loop that would break
+    under fp16 gradient scaling breaks on the CPU too."""
 
 
 class VisibilityError(AnydeviceError, RuntimeError):

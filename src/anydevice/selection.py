@@ -409,14 +409,19 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
     return select(parsed, _inventory_for(parsed), need_memory=need).torch_device
 
 
-def describe(spec: DeviceLike = "auto") -> DeviceInfo:
+def describe(spec: DeviceLike = "auto", *, telemetry: bool = True) -> DeviceInfo:
     """Everything known about the device a spec names, live readings included.
 
     >>> describe("cpu").kind
     'cpu'
+
+    Args:
+        spec: as for :func:`device`.
+        telemetry: also read utilisation, temperature, power and processes. False is
+            quicker (no sampling) and is what policies that need only the hardware use.
     """
     parsed = _resolve_auto(spec)
-    return select(parsed, _inventory_for(parsed, telemetry=True))
+    return select(parsed, _inventory_for(parsed, telemetry=telemetry))
 
 
 def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.device]:

@@ -38,7 +38,7 @@ class XpuBackend(Backend):
                     memory_free=free,
                     memory_used=None if free is None or total is None else total - free,
                     multiprocessors=getattr(p, "gpu_subslice_count", None),
-                    bf16=bool(xpu.is_bf16_supported()),
+                    bf16=_native_bf16(p),
                     tf32=bool(getattr(p, "has_fp32_dpas", False)) or None,
                     notes=("utilisation, temperature and power unknown (no telemetry library)",),
                 )
@@ -52,3 +52,14 @@ class XpuBackend(Backend):
                 "XPU build: pip install torch --index-url https://download.pytorch.org/whl/xpu"
             )
         return "no Intel GPU is visible to torch (driver or oneAPI runtime missing?)."
+
+
+def _native_bf16(props: object) -> bool | None:
+    """Native bf16 on one XPU, as torch itself judges it without emulation.
+
+    ``torch.xpu.is_bf16_supported()`` counts emulation by default (True on every XPU) and
+    asks only the current device; the device property is what its
+    ``including_emulation=False`` form reads.
+    """
+    value = getattr(props, "has_bfloat16_conversions", None)
+    return None if value is None else bool(value)

@@ -1,0 +1,239 @@
+"""fast_matmul: torch's real fp32 math flags, set inside and restored exactly, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import anydevice as ad
+from anydevice.matmul import MathSettings
+
+NODES = [
+    ("generic", "all"),
+    ("cuda", "all"),
+    ("cuda", "matmul"),
+    ("cuda", "conv"),
+    ("cuda", "rnn"),
+    ("mkldnn", "all"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+]
+VALUES = {"generic": ["none", "ieee", "tf32", "bf16"], "cuda": ["none", "ieee", "tf32"]}
+VALUES["mkldnn"] = VALUES["generic"]
+
+
+def observe() -> tuple[object, ...]:
+    """Everything torch's getters show: each fp32_precision value, and each legacy getter's
+    answer or the fact that it refuses to answer."""
+    seen: list[object] = [torch._C._get_fp32_precision_getter(*n) for n in NODES]
+    legacy = (
+        lambda: torch.backends.cuda.matmul.allow_tf32,
+        lambda: torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision,
+    )
+    for read in legacy:
+        try:
+            seen.append(read())
+        except RuntimeError:
+            seen.append("refused")
+    return tuple(seen)
+
+
+@pytest.fixture(autouse=True)
+def leave_settings_as_found() -> Iterator[None]:
+    # Clean-up only (torch's initial cuDNN state cannot be written back once a test sets it).
+    saved = MathSettings.capture()
+    yield
+    saved.restore()
+
+
+def test_inside_both_apis_read_tf32_and_outside_what_was_there() -> None:
+    before = observe()
+    with ad.fast_matmul():
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.allow_tf32 is True
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        assert torch.backends.cudnn.rnn.fp32_precision == "tf32"
+    assert observe() == before
+
+
+def test_medium_also_lets_onednn_use_bf16() -> None:
+    with ad.fast_matmul("medium"):
+        assert torch.get_float32_matmul_precision() == "medium"
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+
+
+def fails_inside() -> None:
+    with ad.fast_matmul():
+        torch.backends.fp32_precision = "ieee"  # changed inside: put back too
+        raise KeyError("boom")
+
+
+def test_settings_come_back_when_the_block_raises() -> None:
+    before = observe()
+    with pytest.raises(KeyError, match="boom"):
+        fails_inside()
+    assert observe() == before
+
+
+def test_nested_blocks_restore_the_enclosing_block() -> None:
+    before = observe()
+    with ad.fast_matmul():
+        outer = observe()
+        with ad.fast_matmul("medium"):
+            assert torch.get_float32_matmul_precision() == "medium"
+        assert observe() == outer
+    assert observe() == before
+
+
+def test_works_as_a_decorator() -> None:
+    @ad.fast_matmul()
+    def inside() -> str:
+        return torch.get_float32_matmul_precision()
+
+    before = observe()
+    assert inside() == "high"
+    assert inside() == "high"
+    assert observe() == before
+
+
+def test_warns_about_nothing() -> None:
+    # torch 2.9-2.12 warn once when the legacy API is used; here it is used on purpose.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ad.fast_matmul():
+            pass
+
+
+def test_an_unknown_precision_is_refused() -> None:
+    with pytest.raises(ad.PrecisionError, match="'high' .* or 'medium'"), ad.fast_matmul("low"):  # type: ignore[arg-type]
+        pass
+
+
+def test_legacy_getters_stay_readable_inside_after_new_api_settings() -> None:
+    torch.backends.fp32_precision = "ieee"  # new API only: a legacy getter now refuses
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.backends.cudnn.allow_tf32  # noqa: B018
+    with ad.fast_matmul():
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.backends.cudnn.allow_tf32 is True
+        assert torch.get_float32_matmul_precision() == "high"
+
+
+# ----------------------------------------------------------------------------- exactness
+
+OPS = st.one_of(
+    st.sampled_from(NODES).flatmap(
+        lambda n: st.tuples(st.just("tree"), st.just(n), st.sampled_from(VALUES[n[0]]))
+    ),
+    st.tuples(st.just("matmul"), st.sampled_from(["highest", "high", "medium"])),
+    st.tuples(st.just("cublas"), st.booleans()),
+    st.tuples(st.just("cudnn"), st.booleans()),
+)
+
+
+def apply(ops: list[tuple[object, ...]]) -> None:
+    for op in ops:
+        if op[0] == "tree":
+            torch._C._set_fp32_precision_setter(*op[1], op[2])  # type: ignore[misc]
+        elif op[0] == "matmul":
+            torch.set_float32_matmul_precision(str(op[1]))
+        elif op[0] == "cublas":
+            torch.backends.cuda.matmul.allow_tf32 = bool(op[1])
+        else:
+            torch.backends.cudnn.allow_tf32 = bool(op[1])
+
+
+def reset() -> None:
+    """A known state, written explicitly (torch's initial cuDNN state cannot be written)."""
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = True
+    for node in NODES:
+        torch._C._set_fp32_precision_setter(*node, "none")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    before=st.lists(OPS, max_size=6),
+    inside=st.lists(OPS, max_size=4),
+    after=st.lists(OPS, max_size=6),
+    precision=st.sampled_from(["high", "medium"]),
+)
+def test_no_later_setting_can_tell_the_block_happened(
+    before: list[tuple[object, ...]],
+    inside: list[tuple[object, ...]],
+    after: list[tuple[object, ...]],
+    precision: str,
+) -> None:
+    # What torch stores (inherited or set, and legacy values the getters hide) must come
+    # back: every later change must then read the same as if the block never ran.
+    reset()
+    apply(before)
+    expected_now = observe()
+    apply(after)
+    expected_later = observe()
+
+    reset()
+    apply(before)
+    with ad.fast_matmul(precision):  # type: ignore[arg-type]
+        apply(inside)
+    assert observe() == expected_now
+    apply(after)
+    assert observe() == expected_later
+
+
+FRESH = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {src!r})
+    from anydevice import fast_matmul
+    S = torch._C._set_fp32_precision_setter
+    G = torch._C._get_fp32_precision_getter
+    def look():
+        return [G("cuda", "conv"), G("cuda", "rnn"), G("cuda", "matmul")]
+    seen = []
+    torch.backends.fp32_precision = {generic!r}
+    if {use!r}:
+        with fast_matmul():
+            seen.append(look())
+    seen.append(look())
+    for node, value in [(("generic", "all"), "ieee"), (("generic", "all"), "none"),
+                        (("cuda", "all"), "ieee"), (("cuda", "all"), "none")]:
+        S(*node, value)
+        seen.append(look())
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generic", ["none", "ieee"])
+def test_torchs_initial_cudnn_state_survives_the_block(generic: str) -> None:
+    # In a fresh process cuDNN conv/RNN inherit, yet read "tf32" when nothing above is
+    # set: a state no setter can write again. The block must leave it alone.
+    src = str(Path(__file__).resolve().parents[1] / "src")
+
+    def run(use: bool) -> list[list[str]]:
+        code = FRESH.format(src=src, generic=generic, use=use)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        )
+        return json.loads(out.stdout)
+
+    without, with_block = run(False), run(True)
+    assert with_block[0][:2] == ["tf32", "tf32"]  # inside: cuDNN TF32 on
+    assert with_block[1:] == without
