@@ -18,6 +18,7 @@ DOCUMENTED = {
     "DeviceMismatchError", "MoveError", "NoTensorError", "CheckpointError",
     "Precision", "PrecisionError", "StepOrderError", "channels_last", "fast_matmul",
     "precision",
+    "DeviceLoader", "LoaderStats", "side_stream",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

@@ -25,6 +25,7 @@ from anydevice.errors import (
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
 from anydevice.layout import channels_last
+from anydevice.loader import DeviceLoader, LoaderStats
 from anydevice.matmul import fast_matmul
 from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
 from anydevice.placement import to
@@ -38,17 +39,20 @@ from anydevice.selection import (
     try_all_gpus,
     try_gpu,
 )
+from anydevice.streams import side_stream
 
 __all__ = [
     "AnydeviceError",
     "CheckpointError",
     "DeviceInfo",
     "DeviceLike",
+    "DeviceLoader",
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
     "HostInfo",
     "Inventory",
+    "LoaderStats",
     "MoveError",
     "NoTensorError",
     "Precision",
@@ -71,6 +75,7 @@ __all__ = [
     "precision",
     "restrict_visible",
     "save",
+    "side_stream",
     "to",
     "try_all_gpus",
     "try_gpu",

@@ -1,0 +1,264 @@
+"""DeviceLoader on the CPU: iteration semantics and failures, with real DataLoaders.
+
+Faults are switched by real files (a worker process cannot see a flag set in the test), and
+worker processes are really killed. The CUDA path (side stream, pinning, overlap) is tested
+on a GPU in test_loader_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import anydevice as ad
+from anydevice.loader import DeviceLoader, LoaderStats
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "anydevice-prefetch"]
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+class Squares(Dataset):
+    """x -> (x, x**2); fails at index ``fail_at`` while ``switch`` exists (a real file)."""
+
+    def __init__(self, n: int, fail_at: int | None = None, switch: Path | None = None,
+                 mode: str = "raise", delay: float = 0.0) -> None:  # fmt: skip
+        self.n, self.fail_at, self.switch, self.mode, self.delay = n, fail_at, switch, mode, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        if i == self.fail_at and self.switch is not None and self.switch.exists():
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"bad sample {i}")
+        x = torch.tensor([float(i)])
+        return x, x**2
+
+
+def values(loader) -> list[float]:
+    return [v for x, _ in loader for v in x.flatten().tolist()]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    yield
+    assert wait_until(lambda: not prefetch_threads(), 5), prefetch_threads()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_arrive_in_order_with_len_and_again_next_epoch(workers):
+    dl = DataLoader(Squares(10), batch_size=3, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu")
+    assert len(loader) == len(dl) == 4
+    assert values(loader) == [float(i) for i in range(10)]
+    assert values(loader) == [float(i) for i in range(10)]  # re-iterable per epoch
+    x, y = next(iter(loader))
+    assert torch.equal(y, x**2)
+    assert x.device == torch.device("cpu")
+
+
+def test_plain_lists_and_nested_batches():
+    batches = [{"x": torch.ones(2), "meta": ["a", 1]}, {"x": torch.zeros(2), "meta": ["b", 2]}]
+    out = list(DeviceLoader(batches, "cpu"))
+    assert [b["meta"] for b in out] == [["a", 1], ["b", 2]]
+    assert [b["x"].sum().item() for b in out] == [2.0, 0.0]
+
+
+def test_generator_source_is_read_once():
+    gen = (torch.full((2,), float(i)) for i in range(3))
+    loader = DeviceLoader(gen, "cpu")
+    assert [b[0].item() for b in loader] == [0.0, 1.0, 2.0]
+    assert list(loader) == []  # a generator cannot be read twice; nothing to fake
+    with pytest.raises(TypeError, match="has no len"):
+        len(loader)
+
+
+def test_transform_runs_on_each_batch_after_the_move():
+    raw = [torch.arange(4, dtype=torch.uint8) for _ in range(3)]
+    loader = DeviceLoader(raw, "cpu", transform=lambda b: b.float() / 255)
+    out = list(loader)
+    assert all(b.dtype == torch.float32 for b in out)
+    assert torch.allclose(out[0], torch.arange(4) / 255)
+
+
+@dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_dataclass_batches_are_delivered():
+    loader = DeviceLoader([Pair(torch.ones(1), torch.zeros(1))], "cpu")
+    (batch,) = list(loader)
+    assert isinstance(batch, Pair)
+    assert batch.a.item() == 1.0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_dataset_error_reaches_the_consumer_and_the_next_epoch_works(tmp_path, workers, prefetch):
+    switch = tmp_path / "fail"
+    switch.touch()
+    dl = DataLoader(Squares(8, fail_at=5, switch=switch), batch_size=1, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu", prefetch=prefetch)
+    seen: list[float] = []
+    with pytest.raises(ValueError, match="bad sample 5") as info:
+        for x, _ in loader:
+            seen.append(x.item())
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]  # batch 4 is not lost to the failure of 5
+    text = "".join(traceback.format_exception(info.value))
+    assert "__getitem__" in text  # the dataset's own frame (or the worker's traceback)
+    switch.unlink()
+    assert values(loader) == [float(i) for i in range(8)]
+
+
+def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
+    switch = tmp_path / "kill"
+    switch.touch()
+    dl = DataLoader(Squares(16, fail_at=6, switch=switch, mode="kill"), batch_size=2,
+                    num_workers=2, timeout=0)  # fmt: skip
+    loader = DeviceLoader(dl, "cpu")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for _ in loader:
+            pass
+    assert time.monotonic() - t0 < 60
+    switch.unlink()
+    assert values(loader) == [float(i) for i in range(16)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_early_break_leaves_no_thread_and_no_worker(workers):
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    dl = DataLoader(Squares(100, delay=0.001), batch_size=2, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu")
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert wait_until(lambda: not prefetch_threads())
+    assert wait_until(lambda: {p.pid for p in me.children(recursive=True)} <= before)
+
+
+def test_keyboard_interrupt_leaves_no_thread():
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu")
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(loader):
+            if i == 3:
+                raise KeyboardInterrupt
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_a_new_pass_closes_the_unfinished_one():
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu")
+    first = iter(loader)
+    next(first)
+    assert values(loader) == [float(i) for i in range(50)]
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_empty_loader_yields_nothing_and_says_nothing_is_wrong():
+    loader = DeviceLoader(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4), "cpu")
+    assert list(loader) == []
+    assert len(loader) == 0
+    assert loader.stats.batches == 0
+    assert loader.stats.verdict == "no batch delivered yet"
+
+
+def test_prefetch_false_never_starts_a_thread():
+    seen_threads: list[int] = []
+    loader = DeviceLoader(DataLoader(Squares(5), batch_size=1), "cpu", prefetch=False)
+    for _ in loader:
+        seen_threads.append(len(prefetch_threads()))
+    assert seen_threads == [0] * 5
+
+
+def test_set_epoch_reaches_the_distributed_sampler():
+    ds = Squares(20)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    loader.set_epoch(7)
+    assert sampler.epoch == 7
+    order7 = values(loader)
+    loader.set_epoch(7)
+    assert values(loader) == order7  # same epoch, same order
+
+
+def test_each_pass_sets_the_next_epoch_when_the_user_does_not():
+    ds = Squares(40)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    epochs = []
+    orders = []
+    for _ in range(3):
+        orders.append(values(loader))
+        epochs.append(sampler.epoch)
+    assert epochs == [0, 1, 2]
+    assert orders[0] != orders[1]  # a DistributedSampler repeats one order without set_epoch
+
+
+def test_stats_call_a_slow_source_input_bound():
+    dl = DataLoader(Squares(8, delay=0.02), batch_size=1, num_workers=0)
+    loader = DeviceLoader(dl, "cpu")
+    for _ in loader:
+        pass
+    s = loader.stats
+    assert isinstance(s, LoaderStats)
+    assert s.batches == 8
+    assert s.wait_fraction > 0.5
+    assert s.verdict.startswith("input-bound")
+    assert "raise num_workers (now 0)" in s.verdict
+    assert s.bytes_moved == 0  # nothing crossed a device boundary
+    assert "8 batches on cpu" in repr(s)
+
+
+def test_stats_call_a_slow_consumer_compute_bound():
+    loader = DeviceLoader([torch.ones(4)] * 6, "cpu")
+    for _ in loader:
+        time.sleep(0.03)
+    s = loader.stats
+    assert s.batches == 6
+    assert s.wait_fraction < 0.2
+    assert s.verdict.startswith("compute-bound")
+    assert s.num_workers is None
+    assert s.total_seconds >= 0.15
+
+
+def test_device_is_resolved_once_from_any_spec(monkeypatch):
+    loader = DeviceLoader([torch.ones(1)], "auto")
+    assert loader.device == ad.device()
+    with pytest.raises(ad.DeviceSpecError):
+        DeviceLoader([], "cdua")
+    with pytest.raises(ValueError, match="depth"):
+        DeviceLoader([], "cpu", depth=0)
+
+
+def test_batches_move_to_another_device():
+    # 'meta' is torch's data-less device: a real move between two devices on a CPU machine.
+    loader = DeviceLoader([torch.ones(3), torch.ones(3)], "meta")
+    out = list(loader)
+    assert all(b.device.type == "meta" for b in out)
+    assert loader.stats.bytes_moved == 2 * 3 * 4
