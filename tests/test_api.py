@@ -14,6 +14,10 @@ DOCUMENTED = {
     "AnydeviceError", "DeviceInfo", "DeviceLike", "DeviceNotFoundError", "DeviceSpecError",
     "HostInfo", "Inventory", "ProcessInfo", "VisibilityError", "__version__", "describe",
     "device", "devices", "inventory", "restrict_visible", "try_all_gpus", "try_gpu",
+    # measuring
+    "BatchSizeError", "Measurement", "MeasurementError", "MemoryStats", "MemoryUsage",
+    "SyncReport", "Timer", "find_syncs", "fit_batch_size", "free_memory", "memory",
+    "nvtx_range", "profile", "timeit", "track_memory",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

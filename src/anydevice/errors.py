@@ -7,7 +7,9 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     AnydeviceError
     ├── DeviceNotFoundError (LookupError)   a spec names a device that is not here
     ├── DeviceSpecError (ValueError)        a device spec that cannot be parsed
-    └── VisibilityError (RuntimeError)      CUDA_VISIBLE_DEVICES can no longer change
+    ├── VisibilityError (RuntimeError)      CUDA_VISIBLE_DEVICES can no longer change
+    ├── MeasurementError (RuntimeError)     a timing or memory reading cannot be made as asked
+    └── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
 
 Messages say what happened, with the values, and what to do.
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 __all__ = [
     "AnydeviceError",
+    "BatchSizeError",
     "DeviceNotFoundError",
     "DeviceSpecError",
+    "MeasurementError",
     "VisibilityError",
 ]
 
@@ -36,3 +40,15 @@ class DeviceSpecError(AnydeviceError, ValueError):
 
 class VisibilityError(AnydeviceError, RuntimeError):
     """The set of visible GPUs can no longer change in this process."""
+
+
+class MeasurementError(AnydeviceError, RuntimeError):
+    """A timing or memory reading cannot be made as asked (a Timer read before it ran)."""
+
+
+class BatchSizeError(AnydeviceError, RuntimeError):
+    """:func:`~anydevice.memory.fit_batch_size` found no batch size that fits.
+
+    Either even the smallest batch (``low``) runs out of memory, or ``step`` never ran out
+    of memory at all (it probably ignores its batch size), or another rank failed.
+    """
