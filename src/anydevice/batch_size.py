@@ -1,10 +1,8 @@
 """The largest batch size that fits in memory: :func:`fit_batch_size`.
 
->>> def step(batch_size):
-...     if batch_size > 40:
-...         raise torch.OutOfMemoryError(f"pretend: {batch_size} does not fit")
->>> fit_batch_size(step, start=8, device="cpu")
-40
+:func:`search` is the search itself, a pure function of a ``fits(size) -> bool`` callable;
+:func:`fit_batch_size` runs the tries: it frees memory before each, tells out-of-memory
+errors from the others, and makes the ranks of a distributed run agree.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from anydevice.memory import free_memory, is_out_of_memory, memory
 from anydevice.selection import DeviceLike
 from anydevice.timing import active_device
 
-__all__ = ["MAX_BATCH_SIZE", "fit_batch_size"]
+__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "search"]
 
 logger = logging.getLogger("anydevice")
 
@@ -89,38 +87,56 @@ def fit_batch_size(
         raise ValueError(f"start ({start}) must be >= low ({low})")
     if high is not None and high < start:
         raise ValueError(f"high ({high}) must be >= start ({start})")
-    search = _Search(step, device)
+    trials = _Trials(step, device)
+    limit = high if high is not None else MAX_BATCH_SIZE
+    try:
+        found = search(trials.fits, start=start, low=low, high=limit)
+    finally:
+        trials.done()
+    if found is None:
+        raise BatchSizeError(trials.low_message(low))
+    if high is None and found == MAX_BATCH_SIZE:
+        raise BatchSizeError(
+            f"step({found}) still did not run out of memory; does step use its batch size "
+            "argument? Pass high= to cap the search."
+        )
+    return found
+
+
+def search(fits: Callable[[int], bool], *, start: int, low: int, high: int) -> int | None:
+    """The largest size in ``[low, high]`` with ``fits(size)`` True; None if not even ``low``.
+
+    Doubles from ``start`` while sizes fit (capped at ``high``), then bisects between the
+    largest size that fitted and the smallest that did not; when ``start`` does not fit,
+    tries ``low`` and bisects between them. Each size is tried at most once, and ``fits``
+    is assumed monotone (a size fits if a larger one does). About
+    ``log2(answer / start) + log2(answer)`` tries.
+
+    >>> search(lambda n: n <= 37, start=4, low=1, high=1000)
+    37
+    """
     good: int | None = None
     size = start
-    while search.fits(size):  # grow
+    while fits(size):  # grow
         good = size
-        limit = high if high is not None else MAX_BATCH_SIZE
-        if size >= limit:
-            if high is None:
-                raise BatchSizeError(
-                    f"step({size}) still did not run out of memory; does step use its batch "
-                    "size argument? Pass high= to cap the search."
-                )
-            search.done()
+        if size >= high:
             return size
-        size = min(2 * size, limit)
+        size = min(2 * size, high)
     bad = size
     if good is None:
-        if bad == low or not search.fits(low):
-            search.done()
-            raise BatchSizeError(search.low_message(low))
+        if bad == low or not fits(low):
+            return None
         good = low
     while bad - good > 1:  # bisect: good fits, bad does not
         mid = (good + bad) // 2
-        if search.fits(mid):
+        if fits(mid):
             good = mid
         else:
             bad = mid
-    search.done()
     return good
 
 
-class _Search:
+class _Trials:
     """Runs the tries: frees memory before each, catches only OOM, agrees across ranks."""
 
     def __init__(self, step: Callable[[int], object], device: DeviceLike | None) -> None:

@@ -22,6 +22,7 @@ import ctypes
 import functools
 import gc
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -97,6 +98,10 @@ def _caching_allocator(module: Any) -> Callable[[torch.device], _Counters]:
 
 
 def _rss() -> int:
+    """This process's resident bytes (``/proc/self/statm`` on Linux, psutil elsewhere)."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     import psutil
 
     return int(psutil.Process().memory_info().rss)
@@ -115,7 +120,10 @@ def _peak_rss() -> int | None:
 
 
 def _cpu(device: torch.device) -> _Counters:
-    return _Counters(allocated=_rss(), peak=_peak_rss())
+    rss = _rss()
+    # The kernel's per-thread RSS counters are synced lazily, so the high-water mark can
+    # trail the current reading by a few pages.
+    return _Counters(allocated=rss, peak=max(rss, _peak_rss() or 0))
 
 
 def _mps(device: torch.device) -> _Counters:
@@ -466,7 +474,7 @@ def track_memory(
             getattr(torch, dev.type).reset_peak_memory_stats(dev)
         sampler = None
     else:
-        current = _current_reader(dev)
+        current = _Reader(dev)
         usage = MemoryUsage(dev, current(), "")
         previous_peak = 0
         high_water = _peak_rss() if dev.type == "cpu" else None
@@ -485,6 +493,7 @@ def track_memory(
         else:
             sampled = sampler.stop()
             usage._end = current()
+            current.close()
             new_high = _peak_rss() if dev.type == "cpu" else None
             if high_water is not None and new_high is not None and new_high > high_water:
                 usage._peak, usage.exact = new_high, True
@@ -498,13 +507,28 @@ def track_memory(
                 outer._inner_peak = max(outer._inner_peak, report)
 
 
-def _current_reader(device: torch.device) -> Callable[[], int]:
-    if device.type == "cpu":
-        import psutil
+class _Reader:
+    """Bytes in use now, cheap enough to sample every millisecond: on Linux the CPU's comes
+    from one open ``/proc/self/statm`` (2 µs a read, against 15 µs through psutil)."""
 
-        process = psutil.Process()
-        return lambda: int(process.memory_info().rss)
-    return lambda: _read(device).allocated
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._fd: int | None = None
+        if device.type == "cpu" and sys.platform.startswith("linux"):
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+            self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def __call__(self) -> int:
+        if self._fd is not None:
+            return int(os.pread(self._fd, 64, 0).split()[1]) * self._page
+        if self.device.type == "cpu":
+            return _rss()
+        return _read(self.device).allocated
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _Sampler:

@@ -164,19 +164,18 @@ def profile(
     )
     p = Profile(prof, trace, steps)
     holder.append(p)
-    with prof:
+    with prof:  # on exit torch calls on_ready, unless the schedule never reached recording
         yield p
-    if steps is None and not p.table:  # without a schedule, torch calls on_ready on exit
-        on_ready(prof)
     if not p.table:
-        needed = wait + warmup + 1
-        warnings.warn(
-            f"ad.profile recorded nothing: the block made {p.steps_done} step() calls, but "
-            f"recording starts after wait={wait} + warmup={warmup} of them; make at least "
-            f"{needed} (or pass wait=0).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        if steps is None:
+            why = "the block ran no torch operation."
+        else:
+            why = (
+                f"the block made {p.steps_done} step() calls, but recording starts after "
+                f"wait={wait} + warmup={warmup} of them; make at least {wait + warmup + 1} "
+                "(or pass wait=0)."
+            )
+        warnings.warn(f"ad.profile recorded nothing: {why}", RuntimeWarning, stacklevel=3)
         return
     _emit(print_to, f"Top ops by {key} ({kind or 'cpu'}):\n{p.table}")
 

@@ -15,6 +15,7 @@ of every sample (``torch.accelerator`` for MPS and XPU, nothing for the CPU).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -413,7 +414,7 @@ class _HostClock:
     def measure(self, fn: Callable[[], object], number: int) -> float:
         synchronize(self.device)
         t0 = self.now()
-        for _ in range(number):
+        for _ in itertools.repeat(None, number):  # no int per call, as timeit does
             fn()
         synchronize(self.device)
         return self.now() - t0
@@ -455,7 +456,7 @@ class _CudaEventClock:
             if flush is not None:
                 flush()  # queued before the start event: outside the timed window
             start.record(self.stream)
-            for _ in range(number):
+            for _ in itertools.repeat(None, number):
                 fn()
             end.record(self.stream)
         torch.cuda.synchronize(self.device)
@@ -477,20 +478,23 @@ def _clock_name(clock: Callable[[], float]) -> str:
 def flush_bytes(device: torch.device) -> int:
     """Bytes to overwrite to flush ``device``'s last-level cache.
 
-    CUDA: the L2 size from the device properties (as torch inductor's benchmarker does);
-    CPU: the largest cache in ``/sys/devices/system/cpu/cpu0/cache``; elsewhere, or when
-    the size cannot be read, 256 MiB (triton's ``do_bench`` choice).
+    Twice the cache's size, so that no line survives whatever the replacement policy, and
+    (on a GPU) the flush keeps the device busy while the host queues the timed call behind
+    it, so launch gaps stay out of cold-cache times. CUDA: the L2 size from the device
+    properties (as torch inductor's benchmarker reads it); CPU: the largest cache in
+    ``/sys/devices/system/cpu/cpu0/cache``. Elsewhere, or when the size cannot be read,
+    256 MiB (triton's ``do_bench`` choice).
 
     >>> flush_bytes(torch.device("cpu")) > 0
     True
     """
+    size = 0
     if device.type == "cuda":
         size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
-        return size or FALLBACK_FLUSH_BYTES
-    if device.type == "cpu":
+    elif device.type == "cpu":
         sizes = [_cache_size(p) for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")]
-        return max((s for s in sizes if s), default=FALLBACK_FLUSH_BYTES)
-    return FALLBACK_FLUSH_BYTES
+        size = max(sizes, default=0)
+    return 2 * size if size else FALLBACK_FLUSH_BYTES
 
 
 def _cache_size(index_dir: Path) -> int:
@@ -539,9 +543,9 @@ def timeit(
        cost under 0.1% of a sample, and how many samples fill ``min_time``.
     3. **Samples**: on CUDA, a pair of CUDA events on the current stream brackets each
        sample and the host waits once at the end, so back-to-back samples keep the GPU
-       busy as real code does; with ``flush_l2=True`` a buffer the size of the L2 cache is
-       zeroed before each sample, outside the timed window, for cold-cache times (as
-       triton's ``do_bench`` does), and each sample is a single call. Elsewhere
+       busy as real code does; with ``flush_l2=True`` a buffer twice the size of the L2
+       cache is zeroed before each sample, outside the timed window, for cold-cache times
+       (as triton's ``do_bench`` does), and each sample is a single call. Elsewhere
        ``time.perf_counter`` with the device synchronised on both sides of each sample.
 
     Work that ``fn`` queues on other CUDA streams must be joined to the current stream
