@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import anydevice as ad
-from anydevice.batch_size import search
+from anydevice.batch_size import is_out_of_memory, search
 
 
 def limited(threshold: int, calls: list[int] | None = None):
@@ -224,3 +224,38 @@ def test_an_error_on_one_rank_stops_the_other(tmp_path):
     results = _run_ranks(tmp_path, limits=[100, 100], fail_rank=1)
     assert results[1] == ("ValueError", "broken step")
     assert results[0][0] == "BatchSizeError" and "another rank" in results[0][1]
+
+
+# ----------------------------------------------------------------------------- out of memory
+
+
+def test_a_real_cpu_allocation_failure_is_out_of_memory():
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
+    assert is_out_of_memory(info.value)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        MemoryError(),
+        RuntimeError("MPS backend out of memory (other allocations: 1 GiB)"),
+        RuntimeError("XPU out of memory. Tried to allocate 20.00 MiB"),
+        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"),
+    ],
+)
+def test_out_of_memory_errors_of_every_device(exc):
+    assert is_out_of_memory(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("Expected all tensors to be on the same device"),
+        ValueError("out of memory"),  # right words, wrong kind of error
+        KeyError("x"),
+    ],
+)
+def test_other_errors_are_not_out_of_memory(exc):
+    assert not is_out_of_memory(exc)

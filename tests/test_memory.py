@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.memory import MemoryStats, is_out_of_memory
+from anydevice.memory import MemoryStats
 
 MiB = 2**20
 GiB = 2**30
@@ -168,38 +168,3 @@ def test_free_memory_collects_garbage_cycles_and_returns_what_it_released():
 
 def test_free_memory_with_nothing_to_release_returns_zero_or_more():
     assert ad.free_memory("cpu") >= 0
-
-
-# ----------------------------------------------------------------------------- out of memory
-
-
-def test_a_real_cpu_allocation_failure_is_out_of_memory():
-    with pytest.raises(RuntimeError) as info:
-        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the CPU allocator refuses
-    assert is_out_of_memory(info.value)
-
-
-@pytest.mark.parametrize(
-    "exc",
-    [
-        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-        MemoryError(),
-        RuntimeError("MPS backend out of memory (other allocations: 1 GiB)"),
-        RuntimeError("XPU out of memory. Tried to allocate 20.00 MiB"),
-        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"),
-    ],
-)
-def test_out_of_memory_errors_of_every_device(exc):
-    assert is_out_of_memory(exc)
-
-
-@pytest.mark.parametrize(
-    "exc",
-    [
-        RuntimeError("Expected all tensors to be on the same device"),
-        ValueError("out of memory"),  # right words, wrong kind of error
-        KeyError("x"),
-    ],
-)
-def test_other_errors_are_not_out_of_memory(exc):
-    assert not is_out_of_memory(exc)

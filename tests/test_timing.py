@@ -17,8 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import anydevice as ad
-from anydevice import timing
-from anydevice.timing import Measurement, Plan, autorange, format_time
+from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time
 
 
 class FakeClock:
@@ -64,7 +63,7 @@ def test_autorange_bounds_the_clock_share_and_the_sample_count(cost, overhead, m
     target = max(overhead / 1e-3, min_time / 1000)
     sample = plan.number * cost + overhead
     assert plan.overhead == pytest.approx(overhead)
-    assert sample >= target or plan.number == timing.MAX_NUMBER
+    assert sample >= target or plan.number == MAX_NUMBER
     # it aims at 1.2x the target and may overshoot by one call
     assert plan.number * cost <= 1.2 * target + cost + 1e-12
     assert 5 <= plan.repeat <= 1000
@@ -265,19 +264,6 @@ def test_timeit_checks_its_arguments():
         ad.timeit(lambda: None, min_time=float("nan"))
     with pytest.raises(ad.DeviceNotFoundError):
         ad.timeit(lambda: None, device="cuda:99")
-
-
-def test_cache_size_reads_sysfs_units(tmp_path):
-    (tmp_path / "size").write_text("32768K\n")
-    assert timing._cache_size(tmp_path) == 32 * 2**20
-    (tmp_path / "size").write_text("2M\n")
-    assert timing._cache_size(tmp_path) == 2 * 2**20
-    assert timing._cache_size(tmp_path / "missing") == 0
-
-
-def test_flush_bytes_on_the_cpu_is_a_cache_size():
-    size = timing.flush_bytes(torch.device("cpu"))
-    assert size >= 2**16 and size % 1024 == 0
 
 
 # ----------------------------------------------------------------------------- Timer

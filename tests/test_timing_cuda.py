@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice import timing
+from anydevice import clocks
 
 pytestmark = pytest.mark.cuda
 
@@ -68,7 +68,7 @@ def test_timeit_times_the_current_stream():
 def test_flush_l2_uses_a_buffer_twice_the_l2_and_one_call_per_sample():
     dev = torch.device("cuda", torch.cuda.current_device())
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    assert timing.flush_bytes(dev) == (2 * l2 if l2 else timing.FALLBACK_FLUSH_BYTES)
+    assert clocks.flush_bytes(dev) == (2 * l2 if l2 else clocks.FALLBACK_FLUSH_BYTES)
     x = torch.randn(2**20, device=dev)
     m = ad.timeit(x.sum, flush_l2=True, min_time=0.05)
     assert m.flush_l2 and m.number == 1 and m.count >= 5
@@ -80,3 +80,12 @@ def test_timer_waits_for_the_gpu_work_of_its_block():
     with ad.Timer("cuda") as t:
         fn()  # returns at once; only the synchronisation at exit makes the time right
     assert t.elapsed >= 0.8 * ref
+
+
+def test_a_bare_cuda_spec_is_the_current_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.cuda.init()
+    with torch.cuda.device(1):
+        assert clocks.resolve_device("cuda") == torch.device("cuda", 1)
+        assert ad.timeit(torch.cuda._sleep, 1000, min_time=0.01, device="cuda").device == "cuda:1"

@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 import torch
 
+from anydevice.clocks import active_device
 from anydevice.errors import BatchSizeError
-from anydevice.memory import free_memory, is_out_of_memory, memory
+from anydevice.memory import free_memory, memory
 from anydevice.selection import DeviceLike
-from anydevice.timing import active_device
 
-__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "search"]
+__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "is_out_of_memory", "search"]
 
 logger = logging.getLogger("anydevice")
 
@@ -25,6 +25,17 @@ logger = logging.getLogger("anydevice")
 MAX_BATCH_SIZE = 2**31
 
 _FITS, _OOM, _FAILED = 1, 0, -1
+
+#: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
+#: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
+#: older XPU extension, and CUDA calls outside the caching allocator (cuBLAS workspaces).
+_OOM_TEXTS = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "MPS backend out of memory",
+    "XPU out of memory",
+    "CUDA error: out of memory",
+    "HIP out of memory",
+)
 
 
 def fit_batch_size(
@@ -42,7 +53,7 @@ def fit_batch_size(
     not (between ``low`` and ``start`` when ``start`` itself does not fit). Memory is
     freed before every try (garbage collected, the device's cache emptied), so one try's
     leftovers do not make the next one fail. Only out-of-memory errors are caught (see
-    :func:`~anydevice.memory.is_out_of_memory`: ``torch.OutOfMemoryError``, ``MemoryError``,
+    :func:`is_out_of_memory`: ``torch.OutOfMemoryError``, ``MemoryError``,
     and the RuntimeErrors the CPU allocator and MPS raise); any other error propagates
     untouched from the first try that raises it.
 
@@ -52,8 +63,9 @@ def fit_batch_size(
     **Distributed runs**: when a ``torch.distributed`` process group is initialised, the
     ranks agree after every try (an all-reduce of one number), so each rank tries the same
     sizes in the same order and all end with the same answer, the largest size that fits
-    on every rank. If ``step`` fails on one rank with another error, that rank re-raises it
-    and the others raise :class:`~anydevice.errors.BatchSizeError`. A ``step`` that runs
+    on every rank (call it with the same arguments everywhere). If ``step`` fails on one
+    rank with another error, that rank re-raises it and the others raise
+    :class:`~anydevice.errors.BatchSizeError`. A ``step`` that runs
     collectives itself (a DDP backward) can still leave the other ranks waiting in them when
     one rank runs out of memory midway: search with the model outside DDP when you can.
 
@@ -101,6 +113,24 @@ def fit_batch_size(
             "argument? Pass high= to cap the search."
         )
     return found
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` means "out of memory", on any device torch supports.
+
+    ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
+    RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
+    can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
+    extension, and CUDA calls outside the caching allocator ("CUDA error: out of memory").
+
+    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    True
+    >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
+    False
+    """
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXTS)
 
 
 def search(fits: Callable[[int], bool], *, start: int, low: int, high: int) -> int | None:

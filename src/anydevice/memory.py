@@ -21,7 +21,6 @@ import contextvars
 import ctypes
 import functools
 import gc
-import logging
 import os
 import sys
 import threading
@@ -32,37 +31,23 @@ from typing import Any
 
 import torch
 
+from anydevice.clocks import active_device, resolve_device, synchronize
 from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
 from anydevice.selection import DeviceLike
-from anydevice.timing import _resolve, active_device, synchronize
 
 __all__ = [
     "MemoryStats",
     "MemoryUsage",
     "free_memory",
-    "is_out_of_memory",
     "memory",
     "track_memory",
 ]
-
-logger = logging.getLogger("anydevice")
 
 #: ``fragmented`` needs at least this much reserved but unused ...
 FRAGMENTED_BYTES = 2**30
 #: ... and reserved at least this many times allocated.
 FRAGMENTED_RATIO = 2.0
-
-#: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
-#: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
-#: older XPU extension, and CUDA calls outside the caching allocator (cuBLAS workspaces).
-_OOM_TEXTS = (
-    "DefaultCPUAllocator: can't allocate memory",
-    "MPS backend out of memory",
-    "XPU out of memory",
-    "CUDA error: out of memory",
-    "HIP out of memory",
-)
 
 
 # ----------------------------------------------------------------------------- readings
@@ -163,7 +148,7 @@ def _read(device: torch.device) -> _Counters:
 
 
 def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
-    dev = active_device() if device is None else _resolve(device)
+    dev = active_device() if device is None else resolve_device(device)
     if dev.type == "meta":
         raise ValueError("the meta device holds no data, so it has no memory to read")
     return dev
@@ -611,24 +596,3 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
     trim = getattr(libc, "malloc_trim", None)
     return None if trim is None else lambda pad: int(trim(ctypes.c_size_t(pad)))
-
-
-# ----------------------------------------------------------------------------- out of memory
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` means "out of memory", on any device torch supports.
-
-    ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
-    RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
-    can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
-    extension, and CUDA calls outside the caching allocator ("CUDA error: out of memory").
-
-    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
-    True
-    >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
-    False
-    """
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXTS)
