@@ -39,7 +39,7 @@ def tracked(fn: Callable[[], object], device: str) -> Callable[[], object]:
     return run
 
 
-def overhead_of_sampling(result: Result, device: str, rounds: int = 5) -> dict[str, float]:
+def overhead_of_sampling(result: Result, device: str, rounds: int = 9) -> dict[str, float]:
     """Median time of each workload, plain and inside one long track_memory block."""
     a = torch.randn(256, 256, device=device)
     ratios = {}

@@ -19,12 +19,17 @@ MiB = 2**20
 GiB = 2**30
 
 
-def test_memory_creates_no_context_and_reads_nvml():
+def test_looking_at_memory_creates_no_context_and_reads_nvml():
     code = textwrap.dedent(
         """
         import json, torch, anydevice as ad
         from anydevice.backends.cuda import driver_initialized
         s = ad.memory("cuda:0")
+        with ad.track_memory("cuda:0"):
+            pass
+        ad.free_memory("cuda:0")
+        with ad.Timer("cuda:0"):
+            pass
         print(json.dumps({"torch_init": torch.cuda.is_initialized(),
                           "driver_init": driver_initialized(),
                           "allocated": s.allocated, "free": s.free, "total": s.total,

@@ -86,8 +86,8 @@ def test_autorange_keeps_explicit_number_and_repeat():
 
 
 def test_autorange_median_of_three_ignores_one_slow_calibration_sample():
-    # The first sample of 1 call is disturbed (10 ms); the function really takes 1 µs.
-    slow_once = iter([1e-2])
+    # The first sample of 1 call is disturbed (50 ms); the function really takes 1 µs.
+    slow_once = iter([5e-2])
 
     def measure(n: int) -> float:
         return n * 1e-6 + (next(slow_once, 0.0) if n == 1 else 0.0)
@@ -95,6 +95,7 @@ def test_autorange_median_of_three_ignores_one_slow_calibration_sample():
     plan = autorange(measure, min_time=0.2)
     assert plan.number > 1  # not fooled into one call per sample
     assert plan.estimate == pytest.approx(1e-6, rel=1e-6)
+    assert plan.repeat == math.ceil(0.2 / (plan.number * 1e-6))  # nor into five samples
 
 
 def test_autorange_counts_flush_time_against_min_time():

@@ -37,7 +37,8 @@ FALLBACK_FLUSH_BYTES = 256 * 2**20
 def synchronize(device: torch.device | None = None) -> None:
     """Wait until the work queued on ``device`` is done; nothing to wait for on the CPU.
 
-    ``None`` waits for every accelerator this process has started using.
+    ``None`` waits for every accelerator this process has started using. A CUDA or XPU
+    device the process has not used yet has nothing queued: no context is created to wait.
 
     >>> synchronize(torch.device("cpu"))
     """
@@ -47,6 +48,8 @@ def synchronize(device: torch.device | None = None) -> None:
         return
     if device.type in ("cpu", "meta"):
         return
+    if device.type in ("cuda", "xpu") and not getattr(torch, device.type).is_initialized():
+        return  # nothing can be queued yet, and waiting would create a context
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "xla":

@@ -243,9 +243,11 @@ def autorange(
        of samples that fit in ``min_time``.
     3. ``n`` starts at 1 and grows, at most tenfold per step, towards the ``n`` that the
        last sample predicts will reach ``1.2 * target``, until a sample reaches ``target``.
-       When samples are short, the median of three decides, so one disturbed sample does
-       not stop the growth early. These calibration samples also warm the function further,
-       as in torch.utils.benchmark's ``blocked_autorange``; their times are not kept.
+       Unless three samples would take more than ``min_time``, the median of three
+       decides, so one disturbed sample (a page fault, another process) neither stops the
+       growth early nor sets the number of samples. These calibration samples also warm
+       the function further, as in torch.utils.benchmark's ``blocked_autorange``; their
+       times are not kept.
     4. ``repeat`` is as many such samples as fit in ``min_time``, at least ``min_samples`` so
        that a median and an IQR mean something, at most ``max_samples``.
 
@@ -283,7 +285,7 @@ def autorange(
         if number is None and t < target and n < MAX_NUMBER:
             n = _grow(n, t, target)
             continue
-        if (t + per_sample_cost) * min_samples < min_time:  # cheap: do not trust one sample
+        if 3 * (t + per_sample_cost) <= min_time:  # affordable: do not trust one sample
             t = _median_of([t, measure(n), measure(n)])
             if number is None and t < target and n < MAX_NUMBER:
                 n = _grow(n, t, target)
