@@ -106,7 +106,10 @@ def test_find_syncs_without_cuda_says_not_applicable():
     assert ran == [21] and report.value == 42
     assert report.applicable is False and report.count is None
     assert "not applicable" in repr(report) and "CUDA" in repr(report)
-    assert report.syncs == ()
+    with pytest.raises(ad.MeasurementError, match="not applicable"):
+        _ = report.syncs  # not an empty tuple that reads as "no syncs"
+    with pytest.raises(ad.MeasurementError):
+        report.by_location()
 
 
 def test_find_syncs_lets_errors_through():
@@ -136,11 +139,40 @@ def test_sync_report_groups_repeated_lines():
 
     a = Sync("torch.Tensor.item", "/x/train.py", 10, "step", "loss.item()")
     b = Sync("torch.nonzero", "/x/train.py", 12, "step", "idx = mask.nonzero()")
-    report = SyncReport((a, b, a, a), True, "watched cuda:0")
+    report = SyncReport(True, "watched cuda:0", (a, b, a, a))
     assert report.count == 4
     assert report.by_location() == [(a, 3), (b, 1)]
     text = repr(report)
     assert "4 implicit synchronisation(s)" in text
     assert text.index("3x") < text.index("1x")
     assert "train.py:10 torch.Tensor.item: loss.item()" in text
-    assert "no implicit synchronisation" in repr(SyncReport((), True, "watched cuda:0"))
+    assert "no implicit synchronisation" in repr(SyncReport(True, "watched cuda:0"))
+
+
+def test_a_sync_is_placed_on_the_innermost_line_of_user_code():
+    import json
+    import traceback
+
+    import hypothesis as installed_package  # site-packages: user code for this purpose
+
+    from anydevice.profiling import _sync_from_stack
+
+    def frame(path, line, name, code=""):
+        return traceback.FrameSummary(path, line, name, line=code)
+
+    stack = [
+        frame("/home/me/train.py", 40, "main", "step()"),
+        frame(installed_package.__file__, 7, "wrapper"),
+        frame("/home/me/train.py", 12, "step", "print(loss)"),
+        frame(json.__file__, 99, "dumps"),  # the standard library
+        frame(torch.__file__, 120, "__repr__"),  # torch itself
+    ]
+    s = _sync_from_stack(stack, "torch.Tensor.__repr__")
+    assert (s.filename, s.lineno, s.function, s.code) == (
+        "/home/me/train.py",
+        12,
+        "step",
+        "print(loss)",
+    )
+    assert s.stack[-1] == "/home/me/train.py:12 in step"
+    assert any("wrapper" in f for f in s.stack)  # installed packages count as user code

@@ -24,6 +24,7 @@ from typing import IO, Any, Literal, TextIO, TypeVar
 
 import torch
 
+from anydevice.errors import MeasurementError
 from anydevice.selection import DeviceLike
 
 __all__ = ["Profile", "Sync", "SyncReport", "find_syncs", "nvtx_range", "profile"]
@@ -232,31 +233,46 @@ class Sync:
 
 @dataclass(frozen=True, repr=False)
 class SyncReport:
-    """What :func:`find_syncs` found. Check :attr:`applicable` before reading ``syncs``:
-    without CUDA there is nothing to detect, which is not the same as "no syncs"."""
+    """What :func:`find_syncs` found.
 
-    syncs: tuple[Sync, ...]
+    Without CUDA there is nothing to detect, which is not the same as "no syncs": then
+    ``applicable`` is False, ``count`` is None, and reading ``syncs`` raises
+    :class:`~anydevice.errors.MeasurementError` instead of returning an empty tuple.
+    """
+
     applicable: bool
     reason: str  #: what was watched, or why nothing could be
+    found: tuple[Sync, ...] = ()
     value: Any = field(default=None, compare=False)  #: what ``fn`` returned
+
+    @property
+    def syncs(self) -> tuple[Sync, ...]:
+        """Every synchronisation, in the order they happened."""
+        if not self.applicable:
+            raise MeasurementError(
+                f"find_syncs was not applicable ({self.reason}): nothing was detected because "
+                "nothing could be; check report.applicable before reading report.syncs."
+            )
+        return self.found
 
     @property
     def count(self) -> int | None:
         """Synchronisations seen; None when not applicable."""
-        return len(self.syncs) if self.applicable else None
+        return len(self.found) if self.applicable else None
 
     def by_location(self) -> list[tuple[Sync, int]]:
         """Each distinct (line, op) once, with how often it synchronised, most first."""
-        counts = Counter((s.filename, s.lineno, s.op) for s in self.syncs)
-        first = {(s.filename, s.lineno, s.op): s for s in reversed(self.syncs)}
+        syncs = self.syncs
+        counts = Counter((s.filename, s.lineno, s.op) for s in syncs)
+        first = {(s.filename, s.lineno, s.op): s for s in reversed(syncs)}
         return [(first[k], n) for k, n in counts.most_common()]
 
     def __repr__(self) -> str:
         if not self.applicable:
             return f"SyncReport(not applicable: {self.reason})"
-        if not self.syncs:
+        if not self.found:
             return f"SyncReport({self.reason}: no implicit synchronisation)"
-        lines = [f"SyncReport({self.reason}: {len(self.syncs)} implicit synchronisation(s))"]
+        lines = [f"SyncReport({self.reason}: {len(self.found)} implicit synchronisation(s))"]
         lines += [f"  {n:>4}x {s}" for s, n in self.by_location()]
         return "\n".join(lines)
 
@@ -287,7 +303,7 @@ def find_syncs(fn: Callable[..., T], *args: Any, **kwargs: Any) -> SyncReport:
     """
     reason = _not_applicable()
     if reason is not None:
-        return SyncReport((), False, reason, fn(*args, **kwargs))
+        return SyncReport(False, reason, (), fn(*args, **kwargs))
     found: list[Sync] = []
     calls = _CallStack()
     previous = torch.cuda.get_sync_debug_mode()
@@ -310,7 +326,7 @@ def find_syncs(fn: Callable[..., T], *args: Any, **kwargs: Any) -> SyncReport:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
     where = f"cuda:{torch.cuda.current_device()}"
-    return SyncReport(tuple(found), True, f"watched {where}", value)
+    return SyncReport(True, f"watched {where}", tuple(found), value)
 
 
 def _not_applicable() -> str | None:
@@ -353,20 +369,32 @@ class _CallStack(torch.overrides.TorchFunctionMode):
             self.calls.pop()
 
 
-def _library_dirs() -> tuple[str, ...]:
+def _library_test() -> Callable[[str], bool]:
+    """Whether a frame's file is torch, anydevice or the standard library (not user code).
+
+    Installed packages are user code here: they call torch like a script does, even where
+    site-packages sits inside the standard library's folder (pyenv, system Pythons).
+    """
     import sysconfig
 
     import anydevice
 
-    dirs = {os.path.dirname(torch.__file__), os.path.dirname(anydevice.__file__)}
-    for key in ("stdlib", "platstdlib"):
-        dirs.add(sysconfig.get_paths()[key])
-    return tuple(os.path.join(d, "") for d in dirs)
+    paths = sysconfig.get_paths()
+    ours = tuple(os.path.join(os.path.dirname(m.__file__ or ""), "") for m in (torch, anydevice))
+    std = tuple(os.path.join(paths[k], "") for k in ("stdlib", "platstdlib"))
+    packages = tuple(os.path.join(paths[k], "") for k in ("purelib", "platlib"))
+
+    def is_library(filename: str) -> bool:
+        if filename.startswith(("<frozen", *ours)):
+            return True
+        return filename.startswith(std) and not filename.startswith(packages)
+
+    return is_library
 
 
 def _sync_from_stack(stack: list[traceback.FrameSummary], op: str | None) -> Sync:
-    libs = (*_library_dirs(), "<frozen")
-    user = [f for f in stack if not f.filename.startswith(libs)]
+    is_library = _library_test()
+    user = [f for f in stack if not is_library(f.filename)]
     frames = user or list(stack)
     here = frames[-1]
     return Sync(
