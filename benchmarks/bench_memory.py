@@ -11,7 +11,9 @@ counters instead of sampling.
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,21 +41,37 @@ def tracked(fn: Callable[[], object], device: str) -> Callable[[], object]:
     return run
 
 
-def overhead_of_sampling(result: Result, device: str, rounds: int = 9) -> dict[str, float]:
-    """Median time of each workload, plain and inside one long track_memory block."""
+def per_call(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def overhead_of_sampling(result: Result, device: str, pairs: int = 15) -> dict[str, float]:
+    """Slowdown of each workload inside a track_memory block: the median over ``pairs`` of
+    back-to-back (plain, tracked) runs of the same calls, so drift hits both alike."""
     a = torch.randn(256, 256, device=device)
-    ratios = {}
+    slowdown = {}
     for name, fn in {"python loop": python_bound, "10x mm 256": torch_bound(a)}.items():
-        plain, inside = [], []
-        for _ in range(rounds):  # interleaved, so drift hits both alike
-            plain.append(ad.timeit(fn, device=device, min_time=0.3).median * 1e3)
+        calls = max(1, int(0.2 / per_call(fn, 3)))  # about 0.2 s per run
+        plain, inside, ratios = [], [], []
+        for _ in range(pairs):
+            p = per_call(fn, calls)
             with ad.track_memory(device):
-                inside.append(ad.timeit(fn, device=device, min_time=0.3).median * 1e3)
-        p = result.add(f"{name}", plain)
-        q = result.add(f"{name} inside track_memory", inside)
-        ratios[name] = q / p
-        result.notes.append(f"{name}: {100 * (q / p - 1):+.1f}% inside track_memory")
-    return ratios
+                q = per_call(fn, calls)
+            plain.append(p * 1e3)
+            inside.append(q * 1e3)
+            ratios.append(q / p)
+        result.add(name, plain)
+        result.add(f"{name} inside track_memory", inside)
+        q1, med, q3 = statistics.quantiles(ratios, n=4)
+        slowdown[name] = med
+        result.notes.append(
+            f"{name}: {100 * (med - 1):+.1f}% inside track_memory (median of {pairs} pairs; "
+            f"middle half {100 * (q1 - 1):+.1f}% to {100 * (q3 - 1):+.1f}%)"
+        )
+    return slowdown
 
 
 def call_costs(device: str) -> Result:
@@ -71,8 +89,7 @@ def call_costs(device: str) -> Result:
 def main() -> None:
     torch.set_num_threads(1)
     result = Result("track-memory-overhead-cpu", "ms")
-    ratios = overhead_of_sampling(result, "cpu")
-    result.extra["slowdown"] = ratios
+    result.extra["slowdown"] = overhead_of_sampling(result, "cpu")
     result.notes.append("sampler: a daemon thread reading RSS every 1 ms; torch threads 1")
     save(result)
     save(call_costs("cpu"))
