@@ -158,11 +158,15 @@ def test_free_memory_collects_garbage_cycles_and_returns_what_it_released():
     class Node:
         pass
 
-    a, b = Node(), Node()
-    a.other, b.other = b, a  # a cycle only gc.collect() frees
-    a.payload = resident(256 * MiB)
-    del a, b
-    released = ad.free_memory("cpu")
+    gc.disable()  # so no automatic collection frees the cycle before free_memory looks
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle only the garbage collector frees
+        a.payload = resident(256 * MiB)
+        del a, b
+        released = ad.free_memory("cpu")
+    finally:
+        gc.enable()
     assert released >= 200 * MiB
 
 
