@@ -19,6 +19,10 @@ DOCUMENTED = {
     "Precision", "PrecisionError", "StepOrderError", "channels_last", "fast_matmul",
     "precision",
     "DeviceLoader", "LoaderStats", "side_stream",
+    # measuring
+    "BatchSizeError", "Measurement", "MeasurementError", "MemoryStats", "MemoryUsage",
+    "SyncReport", "Timer", "find_syncs", "fit_batch_size", "free_memory", "memory",
+    "nvtx_range", "profile", "timeit", "track_memory",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

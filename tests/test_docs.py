@@ -21,3 +21,15 @@ def test_readme_quick_start_runs():
     )
     assert out.returncode == 0, out.stderr
     assert "torch.Size([4, 2])" in out.stdout
+
+
+def test_measure_example_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "measure.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Measurement('forward, batch 64'" in out.stdout
+    assert "largest batch that fits:" in out.stdout and "MemoryUsage(" in out.stdout

@@ -10,13 +10,16 @@ The public API is what ``__all__`` lists; everything else is private.
 from __future__ import annotations
 
 from anydevice._version import __version__
+from anydevice.batch_size import fit_batch_size
 from anydevice.checkpoint import load, save
 from anydevice.errors import (
     AnydeviceError,
+    BatchSizeError,
     CheckpointError,
     DeviceMismatchError,
     DeviceNotFoundError,
     DeviceSpecError,
+    MeasurementError,
     MoveError,
     NoTensorError,
     PrecisionError,
@@ -27,9 +30,11 @@ from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, in
 from anydevice.layout import channels_last
 from anydevice.loader import DeviceLoader, LoaderStats
 from anydevice.matmul import fast_matmul
+from anydevice.memory import MemoryStats, MemoryUsage, free_memory, memory, track_memory
 from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
 from anydevice.placement import to
 from anydevice.precision import Precision, precision
+from anydevice.profiling import SyncReport, find_syncs, nvtx_range, profile
 from anydevice.selection import (
     DeviceLike,
     describe,
@@ -40,9 +45,11 @@ from anydevice.selection import (
     try_gpu,
 )
 from anydevice.streams import side_stream
+from anydevice.timing import Measurement, Timer, timeit
 
 __all__ = [
     "AnydeviceError",
+    "BatchSizeError",
     "CheckpointError",
     "DeviceInfo",
     "DeviceLike",
@@ -53,12 +60,18 @@ __all__ = [
     "HostInfo",
     "Inventory",
     "LoaderStats",
+    "Measurement",
+    "MeasurementError",
+    "MemoryStats",
+    "MemoryUsage",
     "MoveError",
     "NoTensorError",
     "Precision",
     "PrecisionError",
     "ProcessInfo",
     "StepOrderError",
+    "SyncReport",
+    "Timer",
     "VisibilityError",
     "__version__",
     "channels_last",
@@ -70,13 +83,21 @@ __all__ = [
     "devices_of",
     "diagnose",
     "fast_matmul",
+    "find_syncs",
+    "fit_batch_size",
+    "free_memory",
     "inventory",
     "load",
+    "memory",
+    "nvtx_range",
     "precision",
+    "profile",
     "restrict_visible",
     "save",
     "side_stream",
+    "timeit",
     "to",
+    "track_memory",
     "try_all_gpus",
     "try_gpu",
 ]

@@ -13,7 +13,9 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── MoveError (RuntimeError)            to() could not move a part of an object
     ├── CheckpointError (RuntimeError)      save() or load() failed; the file is named
     ├── PrecisionError (ValueError)         a precision mode unknown, or one the device cannot run
-    └── StepOrderError (RuntimeError)       backward / unscale_ / step called out of order
+    ├── StepOrderError (RuntimeError)       backward / unscale_ / step called out of order
+    ├── MeasurementError (RuntimeError)     a timing or memory reading cannot be made as asked
+    └── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
 
 Messages say what happened, with the values, and what to do.
 """
@@ -27,10 +29,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AnydeviceError",
+    "BatchSizeError",
     "CheckpointError",
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
+    "MeasurementError",
     "MoveError",
     "NoTensorError",
     "PrecisionError",
@@ -114,3 +118,15 @@ class CheckpointError(AnydeviceError, RuntimeError):
     def __init__(self, message: str, *, path: str = "") -> None:
         super().__init__(message)
         self.path = path
+
+
+class MeasurementError(AnydeviceError, RuntimeError):
+    """A timing or memory reading cannot be made as asked (a Timer read before it ran)."""
+
+
+class BatchSizeError(AnydeviceError, RuntimeError):
+    """:func:`~anydevice.batch_size.fit_batch_size` found no batch size that fits.
+
+    Either even the smallest batch (``low``) runs out of memory, or ``step`` never ran out
+    of memory at all (it probably ignores its batch size), or another rank failed.
+    """

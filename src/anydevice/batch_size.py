@@ -1,0 +1,245 @@
+"""The largest batch size that fits in memory: :func:`fit_batch_size`.
+
+:func:`search` is the search itself, a pure function of a ``fits(size) -> bool`` callable;
+:func:`fit_batch_size` runs the tries: it frees memory before each, tells out-of-memory
+errors from the others, and makes the ranks of a distributed run agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from anydevice.clocks import active_device
+from anydevice.errors import BatchSizeError
+from anydevice.memory import free_memory, memory
+from anydevice.selection import DeviceLike
+
+__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "is_out_of_memory", "search"]
+
+logger = logging.getLogger("anydevice")
+
+#: Without ``high``, the search gives up past this batch size.
+MAX_BATCH_SIZE = 2**31
+
+_FITS, _OOM, _FAILED = 1, 0, -1
+
+#: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
+#: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
+#: older XPU extension, and CUDA calls outside the caching allocator (cuBLAS workspaces).
+_OOM_TEXTS = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "MPS backend out of memory",
+    "XPU out of memory",
+    "CUDA error: out of memory",
+    "HIP out of memory",
+)
+
+
+def fit_batch_size(
+    step: Callable[[int], object],
+    start: int = 1,
+    low: int = 1,
+    high: int | None = None,
+    *,
+    device: DeviceLike | None = None,
+) -> int:
+    """The largest batch size for which ``step(batch_size)`` runs without running out of memory.
+
+    The search doubles from ``start`` until a size runs out of memory (or reaches
+    ``high``), then bisects between the largest size that fitted and the smallest that did
+    not (between ``low`` and ``start`` when ``start`` itself does not fit). Memory is
+    freed before every try (garbage collected, the device's cache emptied), so one try's
+    leftovers do not make the next one fail. Only out-of-memory errors are caught (see
+    :func:`is_out_of_memory`: ``torch.OutOfMemoryError``, ``MemoryError``,
+    and the RuntimeErrors the CPU allocator and MPS raise); any other error propagates
+    untouched from the first try that raises it.
+
+    The answer assumes that a size that fits once always fits and that memory use grows
+    with the batch size. Leave some room in practice: fragmentation grows during training.
+
+    **Distributed runs**: when a ``torch.distributed`` process group is initialised, the
+    ranks agree after every try (an all-reduce of one number), so each rank tries the same
+    sizes in the same order and all end with the same answer, the largest size that fits
+    on every rank (call it with the same arguments everywhere). If ``step`` fails on one
+    rank with another error, that rank re-raises it and the others raise
+    :class:`~anydevice.errors.BatchSizeError`. A ``step`` that runs
+    collectives itself (a DDP backward) can still leave the other ranks waiting in them when
+    one rank runs out of memory midway: search with the model outside DDP when you can.
+
+    >>> calls = []
+    >>> def step(batch_size):
+    ...     calls.append(batch_size)
+    ...     if batch_size > 5:
+    ...         raise torch.OutOfMemoryError("pretend")
+    >>> fit_batch_size(step, start=2, device="cpu"), calls
+    (5, [2, 4, 8, 6, 5])
+
+    Args:
+        step: runs one step (forward and backward, optimizer step) at a batch size.
+        start: the first size tried.
+        low: the smallest acceptable size.
+        high: the largest size to try; None for no limit (up to ``MAX_BATCH_SIZE``).
+        device: where ``step`` allocates, to free its cache between tries; None: the
+            accelerator this process is using, else the CPU.
+
+    Returns:
+        The largest size that fits (on every rank).
+
+    Raises:
+        BatchSizeError: even ``low`` runs out of memory; or ``step`` never ran out of memory
+            up to ``MAX_BATCH_SIZE`` (does it use its argument?); or another rank failed.
+        ValueError: ``low < 1``, ``start < low``, or ``high < start``.
+    """
+    if low < 1:
+        raise ValueError(f"low must be >= 1, not {low}")
+    if start < low:
+        raise ValueError(f"start ({start}) must be >= low ({low})")
+    if high is not None and high < start:
+        raise ValueError(f"high ({high}) must be >= start ({start})")
+    trials = _Trials(step, device)
+    limit = high if high is not None else MAX_BATCH_SIZE
+    try:
+        found = search(trials.fits, start=start, low=low, high=limit)
+    finally:
+        trials.done()
+    if found is None:
+        raise BatchSizeError(trials.low_message(low))
+    if high is None and found == MAX_BATCH_SIZE:
+        raise BatchSizeError(
+            f"step({found}) still did not run out of memory; does step use its batch size "
+            "argument? Pass high= to cap the search."
+        )
+    return found
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` means "out of memory", on any device torch supports.
+
+    ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
+    RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
+    can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
+    extension, and CUDA calls outside the caching allocator ("CUDA error: out of memory").
+
+    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    True
+    >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
+    False
+    """
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXTS)
+
+
+def search(fits: Callable[[int], bool], *, start: int, low: int, high: int) -> int | None:
+    """The largest size in ``[low, high]`` with ``fits(size)`` True; None if not even ``low``.
+
+    Doubles from ``start`` while sizes fit (capped at ``high``), then bisects between the
+    largest size that fitted and the smallest that did not; when ``start`` does not fit,
+    tries ``low`` and bisects between them. Each size is tried at most once, and ``fits``
+    is assumed monotone (a size fits if a larger one does). About
+    ``log2(answer / start) + log2(answer)`` tries.
+
+    >>> search(lambda n: n <= 37, start=4, low=1, high=1000)
+    37
+    """
+    good: int | None = None
+    size = start
+    while fits(size):  # grow
+        good = size
+        if size >= high:
+            return size
+        size = min(2 * size, high)
+    bad = size
+    if good is None:
+        if bad == low or not fits(low):
+            return None
+        good = low
+    while bad - good > 1:  # bisect: good fits, bad does not
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+class _Trials:
+    """Runs the tries: frees memory before each, catches only OOM, agrees across ranks."""
+
+    def __init__(self, step: Callable[[int], object], device: DeviceLike | None) -> None:
+        self.step = step
+        self.device = device
+        self.agree = _agreement()
+        self.last_oom = ""
+
+    def _device(self) -> DeviceLike:
+        # Resolved at each use: the first try is what initialises the GPU.
+        return self.device if self.device is not None else active_device()
+
+    def fits(self, size: int) -> bool:
+        free_memory(self._device())
+        status = _FITS
+        try:
+            self.step(size)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                try:
+                    self.agree(_FAILED)  # so the other ranks stop instead of waiting
+                except RuntimeError:  # the group is broken too; the user's error matters more
+                    pass
+                raise
+            status = _OOM
+            text = str(exc).strip()
+            self.last_oom = text.splitlines()[0] if text else type(exc).__name__
+        # Out of the except block: the error's traceback, which holds the failed try's
+        # tensors, is released before the next try frees memory.
+        agreed = self.agree(status)
+        if agreed == _FAILED:
+            raise BatchSizeError(
+                f"another rank failed with an error other than out-of-memory while trying "
+                f"batch size {size}; its own traceback says what happened."
+            )
+        fits = agreed == _FITS
+        if status == _FITS and not fits:
+            logger.debug("fit_batch_size: %d fits here but not on another rank", size)
+        logger.debug("fit_batch_size: %d %s", size, "fits" if fits else "runs out of memory")
+        return fits
+
+    def done(self) -> None:
+        free_memory(self._device())
+
+    def low_message(self, low: int) -> str:
+        where = self._device()
+        try:
+            state = repr(memory(where)).splitlines()[0]
+        except Exception:  # the message must not hide the out-of-memory error behind another
+            state = f"memory on {where} could not be read"
+        return (
+            f"even the smallest batch size, low={low}, runs out of memory "
+            f"({self.last_oom or 'on another rank'}). Now: {state}. Free memory held "
+            "elsewhere (other processes, tensors kept from earlier steps), or make one "
+            "sample smaller: mixed precision, gradient checkpointing, a smaller model."
+        )
+
+
+def _agreement() -> Callable[[int], int]:
+    """``status -> minimum status over all ranks``; the identity without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return lambda status: status
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "nccl" not in backend:
+        where = torch.device("cpu")
+    else:
+        where = torch.device("cuda", torch.cuda.current_device())
+
+    def agree(status: int) -> int:
+        t = torch.tensor([status], dtype=torch.int64, device=where)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    return agree

@@ -1,0 +1,243 @@
+"""Device clocks: waiting for a device (:func:`synchronize`), which device is in use, and
+the two clocks :func:`~anydevice.timing.timeit` reads: CUDA events, or a host clock with the
+device synchronised around each sample. Also the cache flush for cold-cache timings.
+
+>>> synchronize(torch.device("cpu"))  # nothing to wait for on the CPU
+>>> active_device().type in ("cpu", "cuda", "mps", "xpu")
+True
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from anydevice.selection import DeviceLike
+
+__all__ = [
+    "FALLBACK_FLUSH_BYTES",
+    "active_device",
+    "clock_for",
+    "device_of_arguments",
+    "flush_bytes",
+    "flusher",
+    "resolve_device",
+    "synchronize",
+]
+
+#: Bytes zeroed to flush a cache when its size cannot be read (triton's choice).
+FALLBACK_FLUSH_BYTES = 256 * 2**20
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait until the work queued on ``device`` is done; nothing to wait for on the CPU.
+
+    ``None`` waits for every accelerator this process has started using. A CUDA or XPU
+    device the process has not used yet has nothing queued: no context is created to wait.
+
+    >>> synchronize(torch.device("cpu"))
+    """
+    if device is None:
+        for d in _active_accelerators():
+            synchronize(d)
+        return
+    if device.type in ("cpu", "meta"):
+        return
+    if device.type in ("cuda", "xpu") and not getattr(torch, device.type).is_initialized():
+        return  # nothing can be queued yet, and waiting would create a context
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm  # only where torch_xla is installed
+
+        xm.wait_device_ops()
+    else:  # mps, xpu and any other accelerator of this build
+        torch.accelerator.synchronize(device)
+
+
+def _active_accelerators() -> list[torch.device]:
+    """Accelerators this process already uses: initialised CUDA/XPU, or MPS when present."""
+    found = []
+    if torch.cuda.is_initialized():
+        found.append(torch.device("cuda", torch.cuda.current_device()))
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_initialized():
+        found.append(torch.device("xpu", xpu.current_device()))
+    if torch.backends.mps.is_available():  # MPS has no lazy initialisation to look at
+        found.append(torch.device("mps"))
+    return found
+
+
+def active_device() -> torch.device:
+    """The accelerator this process is already using, else the CPU.
+
+    Used when no device is given: a function that runs on a GPU has initialised it by the
+    time it has been called once, and looking creates no CUDA context.
+
+    >>> active_device().type in ("cpu", "cuda", "mps", "xpu")
+    True
+    """
+    found = _active_accelerators()
+    return found[0] if found else torch.device("cpu")
+
+
+def device_of_arguments(values: Iterator[object], depth: int = 0) -> torch.device | None:
+    """The device of the first tensor (or module parameter) among ``values``."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.device
+        if isinstance(v, torch.nn.Module):
+            p = next(v.parameters(), None)
+            if p is not None:
+                return p.device
+        elif depth < 2 and isinstance(v, (list, tuple)):
+            found = device_of_arguments(iter(v), depth + 1)
+            if found is not None:
+                return found
+        elif depth < 2 and isinstance(v, Mapping):
+            found = device_of_arguments(iter(v.values()), depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def resolve_device(device: DeviceLike) -> torch.device:
+    """A device spec as a ``torch.device`` with its index; a bare ``"cuda"`` is torch's
+    current CUDA device once CUDA is in use (where the work goes), as in torch."""
+    from anydevice.selection import device as select_device
+    from anydevice.selection import parse_spec
+
+    spec = parse_spec(device)
+    module = getattr(torch, spec.kind, None) if spec.kind in ("cuda", "xpu") else None
+    if spec.index is None and module is not None and module.is_initialized():
+        return torch.device(spec.kind, module.current_device())
+    return select_device(device)
+
+
+class _Clock(Protocol):
+    name: str
+
+    def measure(self, fn: Callable[[], object], number: int) -> float: ...
+
+    def run(
+        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
+    ) -> list[float]: ...
+
+
+class _HostClock:
+    """A host clock with the device synchronised before and after every sample."""
+
+    def __init__(self, device: torch.device, now: Callable[[], float], name: str) -> None:
+        self.device = device
+        self.now = now
+        self.name = name
+
+    def measure(self, fn: Callable[[], object], number: int) -> float:
+        synchronize(self.device)
+        t0 = self.now()
+        for _ in itertools.repeat(None, number):  # no int per call, as timeit does
+            fn()
+        synchronize(self.device)
+        return self.now() - t0
+
+    def run(
+        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
+    ) -> list[float]:
+        out = []
+        for _ in range(repeat):
+            if flush is not None:
+                flush()  # measure() synchronises before reading the clock: outside the window
+            out.append(self.measure(fn, number))
+        return out
+
+
+class _CudaEventClock:
+    """CUDA events on the current stream; the host waits once, after the last sample."""
+
+    name = "cuda-event"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.current_stream(device)
+
+    def measure(self, fn: Callable[[], object], number: int) -> float:
+        return self.run(fn, number, 1, None)[0]
+
+    def run(
+        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
+    ) -> list[float]:
+        pairs = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeat)
+        ]
+        for start, end in pairs:  # creates the CUDA events now, not inside a timed window
+            start.record(self.stream)
+            end.record(self.stream)
+        for start, end in pairs:
+            if flush is not None:
+                flush()  # queued before the start event: outside the timed window
+            start.record(self.stream)
+            for _ in itertools.repeat(None, number):
+                fn()
+            end.record(self.stream)
+        torch.cuda.synchronize(self.device)
+        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+
+
+def clock_for(device: torch.device, clock: Callable[[], float] | None) -> _Clock:
+    if clock is not None:
+        return _HostClock(device, clock, clock_name(clock))
+    if device.type == "cuda":
+        return _CudaEventClock(device)
+    return _HostClock(device, time.perf_counter, "perf_counter")
+
+
+def clock_name(clock: Callable[[], float]) -> str:
+    return str(getattr(clock, "__name__", type(clock).__name__))
+
+
+def flush_bytes(device: torch.device) -> int:
+    """Bytes to overwrite to flush ``device``'s last-level cache.
+
+    Twice the cache's size, so that no line survives whatever the replacement policy, and
+    (on a GPU) the flush keeps the device busy while the host queues the timed call behind
+    it, so launch gaps stay out of cold-cache times. CUDA: the L2 size from the device
+    properties (as torch inductor's benchmarker reads it); CPU: the largest cache in
+    ``/sys/devices/system/cpu/cpu0/cache``. Elsewhere, or when the size cannot be read,
+    256 MiB (triton's ``do_bench`` choice).
+
+    >>> flush_bytes(torch.device("cpu")) > 0
+    True
+    """
+    size = 0
+    if device.type == "cuda":
+        size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+    elif device.type == "cpu":
+        sizes = [_cache_size(p) for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")]
+        size = max(sizes, default=0)
+    return 2 * size if size else FALLBACK_FLUSH_BYTES
+
+
+def _cache_size(index_dir: Path) -> int:
+    try:
+        text = (index_dir / "size").read_text().strip().upper()
+    except OSError:
+        return 0
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    digits = text.rstrip("KMG")
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+def flusher(device: torch.device) -> Callable[[], None]:
+    # int32, as triton and inductor do: zero_ on it is a plain memset kernel.
+    buffer = torch.empty(flush_bytes(device) // 4, dtype=torch.int32, device=device)
+
+    def flush() -> None:
+        buffer.zero_()
+
+    return flush

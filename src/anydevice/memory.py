@@ -1,0 +1,598 @@
+"""Device memory: what is in use, what a block needed, and giving cached memory back.
+
+* :func:`memory` -> :class:`MemoryStats`: the allocator's counters and the device's free and
+  total memory (the process's resident memory and the system's RAM on the CPU).
+* :func:`track_memory` -> :class:`MemoryUsage`: the peak and the net change during a block.
+* :func:`free_memory`: collect garbage and give cached blocks back to the device.
+
+:func:`~anydevice.batch_size.fit_batch_size`, the largest batch that fits, builds on these.
+
+Reading memory never creates a CUDA context: the allocator's counters are read from torch
+(zeros before the process has used the GPU), free and total from NVML.
+
+>>> m = memory("cpu")
+>>> m.allocated > 0 and m.total >= m.free > 0
+True
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import functools
+import gc
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from anydevice.clocks import active_device, resolve_device, synchronize
+from anydevice.errors import MeasurementError
+from anydevice.inventory import format_bytes
+from anydevice.selection import DeviceLike
+
+__all__ = [
+    "MemoryStats",
+    "MemoryUsage",
+    "free_memory",
+    "memory",
+    "track_memory",
+]
+
+#: ``fragmented`` needs at least this much reserved but unused ...
+FRAGMENTED_BYTES = 2**30
+#: ... and reserved at least this many times allocated.
+FRAGMENTED_RATIO = 2.0
+
+
+# ----------------------------------------------------------------------------- readings
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """One reading of a device's counters, in bytes."""
+
+    allocated: int
+    reserved: int | None = None
+    peak: int | None = None
+    peak_reserved: int | None = None
+    retries: int | None = None
+    ooms: int | None = None
+
+
+def _caching_allocator(module: Any) -> Callable[[torch.device], _Counters]:
+    """torch.cuda and torch.xpu share the caching allocator and its counters' names."""
+
+    def read(device: torch.device) -> _Counters:
+        s = module.memory_stats(device)  # {} before the process used the device: no init
+        return _Counters(
+            allocated=int(s.get("allocated_bytes.all.current", 0)),
+            reserved=int(s.get("reserved_bytes.all.current", 0)),
+            peak=int(s.get("allocated_bytes.all.peak", 0)),
+            peak_reserved=int(s.get("reserved_bytes.all.peak", 0)),
+            retries=s.get("num_alloc_retries"),
+            ooms=s.get("num_ooms"),
+        )
+
+    return read
+
+
+def _rss() -> int:
+    """This process's resident bytes (``/proc/self/statm`` on Linux, psutil elsewhere)."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _peak_rss() -> int | None:
+    """The process's lifetime high-water mark of resident memory, kept by the kernel."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes / KiB
+
+
+def _cpu(device: torch.device) -> _Counters:
+    rss = _rss()
+    # The kernel's per-thread RSS counters are synced lazily, so the high-water mark can
+    # trail the current reading by a few pages.
+    return _Counters(allocated=rss, peak=max(rss, _peak_rss() or 0))
+
+
+def _mps(device: torch.device) -> _Counters:
+    return _Counters(
+        allocated=int(torch.mps.current_allocated_memory()),
+        reserved=int(torch.mps.driver_allocated_memory()),
+    )
+
+
+def _xla(device: torch.device) -> _Counters:
+    import torch_xla.core.xla_model as xm
+
+    info = xm.get_memory_info(device)
+    used = info.get("bytes_used", 1024 * (info.get("kb_total", 0) - info.get("kb_free", 0)))
+    peak = info.get("peak_bytes_used")
+    return _Counters(allocated=int(used), peak=None if peak is None else int(peak))
+
+
+def _readers() -> dict[str, Callable[[torch.device], _Counters]]:
+    return {
+        "cuda": _caching_allocator(torch.cuda),
+        "xpu": _caching_allocator(getattr(torch, "xpu", None)),
+        "mps": _mps,
+        "cpu": _cpu,
+        "xla": _xla,
+    }
+
+
+def _read(device: torch.device) -> _Counters:
+    reader = _readers().get(device.type)
+    if reader is None:
+        raise MeasurementError(
+            f"cannot read memory on {device}: anydevice knows the memory of cpu, cuda, mps, "
+            "xpu and xla devices."
+        )
+    return reader(device)
+
+
+def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
+    dev = active_device() if device is None else resolve_device(device)
+    if dev.type == "meta":
+        raise ValueError("the meta device holds no data, so it has no memory to read")
+    return dev
+
+
+# ----------------------------------------------------------------------------- memory()
+
+
+@dataclass(frozen=True, repr=False)
+class MemoryStats:
+    """Memory on one device, in bytes; ``None`` where this device cannot tell.
+
+    On an accelerator ``allocated`` is what live tensors hold, ``reserved`` what torch's
+    caching allocator holds from the device (allocated plus cached blocks), ``free`` and
+    ``total`` are the whole device's (every process). On the CPU ``allocated`` is this
+    process's resident memory (RSS), ``peak`` its lifetime high-water mark, ``free`` the
+    system's available RAM and ``total`` its RAM (within a cgroup limit, if any).
+
+    >>> s = MemoryStats("cuda:0", allocated=2**30, reserved=6 * 2**30, free=None, total=None)
+    >>> s.fragmented, format_bytes(s.cached)
+    (True, '5.0 GiB')
+    """
+
+    device: str
+    allocated: int | None
+    reserved: int | None = None
+    peak: int | None = None  #: most ``allocated`` since the peak counter was last reset
+    peak_reserved: int | None = None
+    free: int | None = None
+    total: int | None = None
+    alloc_retries: int | None = None  #: allocations that needed the cache flushed first
+    ooms: int | None = None  #: out-of-memory errors the allocator raised
+    notes: tuple[str, ...] = field(default=())  #: how the numbers were read, what is unknown
+
+    @property
+    def cached(self) -> int | None:
+        """Reserved but not allocated: blocks the allocator keeps for reuse."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return max(0, self.reserved - self.allocated)
+
+    @property
+    def other(self) -> int | None:
+        """Device memory used outside this process's allocator: the CUDA context, other
+        libraries, other processes. None on the CPU and when free/total are unknown."""
+        if self.total is None or self.free is None or self.reserved is None:
+            return None
+        return max(0, self.total - self.free - self.reserved)
+
+    @property
+    def fragmented(self) -> bool:
+        """Reserved is much larger than allocated (>= 2x, and >= 1 GiB unused)."""
+        cached = self.cached
+        if cached is None or self.reserved is None or self.allocated is None:
+            return False
+        return cached >= FRAGMENTED_BYTES and self.reserved >= FRAGMENTED_RATIO * self.allocated
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types for JSON, bytes throughout."""
+        return {
+            "device": self.device,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "peak": self.peak,
+            "peak_reserved": self.peak_reserved,
+            "free": self.free,
+            "total": self.total,
+            "cached": self.cached,
+            "other": self.other,
+            "alloc_retries": self.alloc_retries,
+            "ooms": self.ooms,
+            "fragmented": self.fragmented,
+            "notes": list(self.notes),
+        }
+
+    def __repr__(self) -> str:
+        b = format_bytes
+        if self.device == "cpu":
+            head = (
+                f"process {b(self.allocated)} resident, peak {b(self.peak)}; "
+                f"system {b(self.free)} available of {b(self.total)}"
+            )
+        else:
+            head = f"{b(self.allocated)} allocated, {b(self.reserved)} reserved"
+            if self.peak is not None:
+                head += f", peak {b(self.peak)}"
+            head += f"; device {b(self.free)} free of {b(self.total)}"
+            if self.other:
+                head += f" ({b(self.other)} used outside this process's allocator)"
+        lines = [f"MemoryStats({self.device}: {head})"]
+        if self.fragmented:
+            ratio = (self.reserved or 0) / max(self.allocated or 0, 1)
+            lines.append(
+                f"  WARNING: reserved is {ratio:.1f}x allocated: {b(self.cached)} is cached "
+                "by the allocator but not in use (a cache or fragmentation). Other processes "
+                "cannot use it; ad.free_memory() gives it back, and "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation."
+            )
+        if self.alloc_retries:
+            lines.append(
+                f"  note: {self.alloc_retries} allocation(s) needed the cache flushed and "
+                "retried: the device was close to full."
+            )
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def memory(device: DeviceLike | None = "auto") -> MemoryStats:
+    """Memory on ``device`` now: this process's allocator counters, and the device's free/total.
+
+    Never creates a CUDA context. Free and total GPU memory come from NVML; without NVML
+    they are read from CUDA only when this process already has a context on that device,
+    and are None otherwise (asking CUDA would create one, ~500 MB, just to look).
+
+    >>> s = memory("cpu")
+    >>> s.device, s.peak >= s.allocated > 0
+    ('cpu', True)
+
+    Args:
+        device: any device spec (``"auto"``: the device ``ad.device()`` picks); None:
+            the accelerator this process is using, else the CPU.
+
+    Returns:
+        A :class:`MemoryStats`.
+
+    Raises:
+        DeviceNotFoundError: no such device here.
+    """
+    dev = _resolve_memory_device(device)
+    c = _read(dev)
+    notes: list[str] = []
+    free: int | None
+    total: int | None
+    if dev.type == "cpu":
+        free, total = _system_memory()
+        notes.append("allocated is the resident set size; peak the process's lifetime maximum")
+    else:
+        free, total, more = _device_free_total(dev)
+        notes += more
+        if dev.type in ("cuda", "xpu") and not _initialized(dev):
+            notes.append(f"this process has not used {dev.type} yet: its counters are zero")
+        if dev.type == "mps":
+            notes.append("MPS keeps no peak counter; track_memory() samples it")
+    return MemoryStats(
+        device=str(dev),
+        allocated=c.allocated,
+        reserved=c.reserved,
+        peak=c.peak,
+        peak_reserved=c.peak_reserved,
+        free=free,
+        total=total,
+        alloc_retries=c.retries,
+        ooms=c.ooms,
+        notes=tuple(notes),
+    )
+
+
+def _initialized(device: torch.device) -> bool:
+    module = getattr(torch, device.type, None)
+    return bool(module is not None and module.is_initialized())
+
+
+def _system_memory() -> tuple[int, int]:
+    from anydevice.backends import get
+
+    cpu = get("cpu").probe(telemetry=False).devices[0]
+    return int(cpu.memory_free or 0), int(cpu.memory_total or 0)
+
+
+def _device_free_total(device: torch.device) -> tuple[int | None, int | None, list[str]]:
+    from anydevice.backends import get
+
+    probe = get(device.type).probe(telemetry=False)
+    index = device.index if device.index is not None else 0
+    info = next((d for d in probe.devices if d.index == index), None)
+    free = None if info is None else info.memory_free
+    total = None if info is None else info.memory_total
+    if free is not None or device.type != "cuda":
+        return free, total, []
+    if torch.cuda.is_initialized() and _has_context(index):
+        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
+        return free, total, ["free and total read from CUDA (NVML unavailable)"]
+    return (
+        None,
+        total,
+        [
+            f"free memory unknown: NVML is unavailable, and asking CUDA would create a context "
+            f"(~500 MB) on cuda:{index}; it is read once this process uses the device"
+        ],
+    )
+
+
+def _has_context(index: int) -> bool:
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private, but it only looks
+    if has is not None:
+        return bool(has(index))
+    return int(torch.cuda.memory_reserved(index)) > 0
+
+
+# ----------------------------------------------------------------------------- track_memory
+
+
+class MemoryUsage:
+    """What a :func:`track_memory` block used; the numbers are filled in when it ends.
+
+    ``peak`` is the most memory in use during the block (allocated bytes on an accelerator,
+    resident bytes on the CPU), ``net`` what the block left behind, ``peak_increase`` how
+    much more than at its start it needed. ``exact`` says whether the peak was read from a
+    counter (True) or sampled (False: a lower bound).
+    """
+
+    def __init__(self, device: torch.device, start: int, method: str) -> None:
+        self.device = device
+        self.start = start  #: bytes in use when the block began
+        self.method = method  #: how the peak was read, for people
+        self._end: int | None = None
+        self._peak: int | None = None
+        self.exact = False
+        self._inner_peak = 0  # reported by blocks nested in this one
+
+    def _get(self, value: int | None, name: str) -> int:
+        if value is None:
+            raise MeasurementError(f"MemoryUsage.{name}: the track_memory block has not ended yet.")
+        return value
+
+    @property
+    def end(self) -> int:
+        """Bytes in use when the block ended."""
+        return self._get(self._end, "end")
+
+    @property
+    def peak(self) -> int:
+        """Most bytes in use at any time during the block."""
+        return self._get(self._peak, "peak")
+
+    @property
+    def net(self) -> int:
+        """``end - start``: what the block left allocated (negative when it freed)."""
+        return self.end - self.start
+
+    @property
+    def peak_increase(self) -> int:
+        """``peak - start``: how much more than at its start the block needed."""
+        return self.peak - self.start
+
+    def __repr__(self) -> str:
+        if self._peak is None:
+            return f"MemoryUsage({self.device}: running)"
+        sign = "+" if self.net >= 0 else "-"
+        return (
+            f"MemoryUsage({self.device}: peak {format_bytes(self.peak)} "
+            f"(+{format_bytes(self.peak_increase)} over the start), net {sign}"
+            f"{format_bytes(abs(self.net))}; {self.method})"
+        )
+
+
+#: The track_memory blocks open in this context, innermost last. A block that resets the
+#: allocator's peak counter reports the peak it saw to the blocks around it on exit, so
+#: nesting never loses an enclosing block's peak.
+_open: contextvars.ContextVar[tuple[MemoryUsage, ...]] = contextvars.ContextVar(
+    "anydevice_open_trackers", default=()
+)
+
+
+@contextmanager
+def track_memory(
+    device: DeviceLike | None = None, *, interval: float = 0.001
+) -> Iterator[MemoryUsage]:
+    """Track the peak and the net change of memory during a block.
+
+    **CUDA and XPU**: the caching allocator's peak counter is reset on entry and read on
+    exit, so the peak is exact. torch can reset that counter but not set it, so after the
+    block ``torch.cuda.max_memory_allocated()`` counts from the block's start; enclosing
+    ``track_memory`` blocks are not affected (an inner block reports its peak, and the
+    peak before it, to them), so their peak stays the maximum over their whole block.
+
+    **CPU** (and MPS, which has no peak counter): a background thread samples the resident
+    memory every ``interval`` seconds, and on exit the kernel's high-water mark
+    (``getrusage``'s ``ru_maxrss``) is compared with its value on entry. If the block
+    raised it, the block reached it: the peak is exact. Otherwise the sampled maximum is a
+    lower bound that misses spikes shorter than the interval (about 5 ms while Python code
+    holds the GIL). Resident memory also includes what the allocator keeps after tensors
+    are freed, so ``net`` can stay positive after a block that freed everything.
+
+    >>> import torch
+    >>> with track_memory("cpu") as m:
+    ...     x = torch.ones(2**24)  # 64 MiB
+    ...     del x
+    >>> m.peak >= m.start
+    True
+
+    Args:
+        device: any device spec; None: the accelerator this process is using, else the CPU.
+        interval: seconds between samples where the peak is sampled.
+
+    Yields:
+        A :class:`MemoryUsage`, filled in when the block ends.
+    """
+    if not interval > 0:
+        raise ValueError(f"interval must be > 0 seconds, not {interval}")
+    dev = _resolve_memory_device(device)
+    counted = dev.type in ("cuda", "xpu")
+    if counted:
+        before = _read(dev)
+        usage = MemoryUsage(dev, before.allocated, "read from the allocator's peak counter")
+        previous_peak = before.peak or 0
+        if _initialized(dev):
+            getattr(torch, dev.type).reset_peak_memory_stats(dev)
+        sampler = None
+    else:
+        current = _Reader(dev)
+        usage = MemoryUsage(dev, current(), "")
+        previous_peak = 0
+        high_water = _peak_rss() if dev.type == "cpu" else None
+        sampler = _Sampler(current, interval)
+    token = _open.set((*_open.get(), usage))
+    try:
+        yield usage
+    finally:
+        _open.reset(token)
+        if sampler is None:
+            after = _read(dev)
+            usage._end = after.allocated
+            usage._peak = max(after.peak or 0, usage._inner_peak, usage.start, after.allocated)
+            usage.exact = True
+            report = max(usage._peak, previous_peak)
+        else:
+            sampled = sampler.stop()
+            usage._end = current()
+            current.close()
+            new_high = _peak_rss() if dev.type == "cpu" else None
+            if high_water is not None and new_high is not None and new_high > high_water:
+                usage._peak, usage.exact = new_high, True
+                usage.method = "exact: the block set the process's high-water mark"
+            else:
+                usage._peak = max(sampled, usage._inner_peak, usage.start, usage._end)
+                usage.method = f"sampled every {interval * 1000:g} ms (a lower bound)"
+            report = usage._peak
+        for outer in _open.get():
+            if outer.device == dev:
+                outer._inner_peak = max(outer._inner_peak, report)
+
+
+class _Reader:
+    """Bytes in use now, cheap enough to sample every millisecond: on Linux the CPU's comes
+    from one open ``/proc/self/statm`` (2 µs a read, against 15 µs through psutil)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._fd: int | None = None
+        if device.type == "cpu" and sys.platform.startswith("linux"):
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+            self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def __call__(self) -> int:
+        if self._fd is not None:
+            return int(os.pread(self._fd, 64, 0).split()[1]) * self._page
+        if self.device.type == "cpu":
+            return _rss()
+        return _read(self.device).allocated
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _Sampler:
+    """A daemon thread that keeps the largest value ``read()`` returns until stopped."""
+
+    def __init__(self, read: Callable[[], int], interval: float) -> None:
+        self.read = read
+        self.interval = interval
+        self.peak = read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="anydevice-memory", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.read())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.read())
+
+
+# ----------------------------------------------------------------------------- free_memory
+
+
+def free_memory(device: DeviceLike | None = None) -> int:
+    """Collect garbage and give the allocator's cached blocks back; return the bytes released.
+
+    Accelerators: ``gc.collect()``, then the device's ``empty_cache()``; the bytes are the
+    drop in reserved memory. CPU: ``gc.collect()``, then glibc's ``malloc_trim(0)`` (which
+    returns freed heap pages to the system); the bytes are the drop in resident memory.
+
+    >>> free_memory("cpu") >= 0
+    True
+
+    Args:
+        device: any device spec; None: the accelerator this process is using, else the CPU.
+
+    Returns:
+        Bytes given back (0 when nothing was).
+    """
+    dev = _resolve_memory_device(device)
+    held = _held_reader(dev)
+    before = held()
+    gc.collect()
+    synchronize(dev)  # blocks still in use by queued work are not released
+    _empty_cache(dev)
+    return max(0, before - held())
+
+
+def _held_reader(device: torch.device) -> Callable[[], int]:
+    """What giving memory back lowers: resident memory (CPU), reserved memory (others)."""
+    if device.type == "cpu":
+        return _rss
+
+    def held() -> int:
+        c = _read(device)
+        return c.reserved if c.reserved is not None else c.allocated
+
+    return held
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cpu":
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+    elif device.type in ("cuda", "xpu", "mps"):
+        getattr(torch, device.type).empty_cache()  # each is a no-op before first use
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # musl and others: nothing to trim with
+        return None
+    trim = getattr(libc, "malloc_trim", None)
+    return None if trim is None else lambda pad: int(trim(ctypes.c_size_t(pad)))

@@ -1,0 +1,52 @@
+"""Device clocks: synchronising, which device is in use, device specs, the cache flush size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import anydevice as ad
+from anydevice import clocks
+
+
+def test_synchronize_the_cpu_or_meta_waits_for_nothing():
+    clocks.synchronize(torch.device("cpu"))
+    clocks.synchronize(torch.device("meta"))
+    clocks.synchronize(None)  # every accelerator in use; none on a CPU-only run
+
+
+def test_active_device_is_the_cpu_until_an_accelerator_is_used():
+    expected = "cuda" if torch.cuda.is_initialized() else "cpu"
+    assert clocks.active_device().type == expected
+
+
+def test_device_of_arguments_looks_into_containers_and_modules():
+    meta = torch.ones(1, device="meta")
+    model = torch.nn.Linear(2, 2).to("meta")
+    assert clocks.device_of_arguments(iter([1, "x", meta])) == torch.device("meta")
+    assert clocks.device_of_arguments(iter([{"batch": [meta]}])) == torch.device("meta")
+    assert clocks.device_of_arguments(iter([model])) == torch.device("meta")
+    assert clocks.device_of_arguments(iter([1, [2, (3,)], {}])) is None
+
+
+def test_resolve_device_checks_the_spec_against_this_machine():
+    assert clocks.resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ad.DeviceNotFoundError, match="cuda:99"):
+        clocks.resolve_device("cuda:99")
+
+
+def test_cache_size_reads_sysfs_units(tmp_path):
+    (tmp_path / "size").write_text("32768K\n")
+    assert clocks._cache_size(tmp_path) == 32 * 2**20
+    (tmp_path / "size").write_text("2M\n")
+    assert clocks._cache_size(tmp_path) == 2 * 2**20
+    assert clocks._cache_size(tmp_path / "missing") == 0
+
+
+def test_cpu_flush_is_twice_the_largest_cache():
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    sizes = [clocks._cache_size(p) for p in Path(root).glob("index*")]
+    expected = 2 * max(sizes) if sizes and max(sizes) else clocks.FALLBACK_FLUSH_BYTES
+    assert clocks.flush_bytes(torch.device("cpu")) == expected
