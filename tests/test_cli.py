@@ -200,3 +200,45 @@ def test_launch_inside_a_launched_world_runs_the_script_in_place(tmp_path):
     code, out, err = finish(proc, timeout=60)
     assert code == 0, err
     assert out.split() == ["ran", str(proc.pid), "['x']"]  # the launcher's own process
+
+
+@pytest.mark.slow
+def test_srun_one_task_per_node_launches_each_nodes_workers(tmp_path, no_process_left_behind):
+    script = tmp_path / "world.py"
+    script.write_text(
+        "import anydevice as ad\n"
+        "with ad.distributed(timeout=60) as d:\n"
+        "    ranks = ad.all_gather((d.rank, d.node_rank, d.local_rank))\n"
+        "    if d.is_main:\n"
+        "        print('world', d.world_size, sorted(ranks))\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slurm = {  # what srun --nodes 2 --ntasks-per-node 1 gives each task
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_LOCALID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }  # fmt: skip
+    procs = [
+        bounded(
+            [
+                sys.executable,
+                "-m",
+                "anydevice",
+                "launch",
+                "-n",
+                "2",
+                "--timeout",
+                "60",
+                str(script),
+            ],
+            env={**slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)},
+        )
+        for node in (0, 1)
+    ]
+    results = [finish(p, timeout=120) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    out = "".join(o for _, o, _ in results)
+    assert "world 4 [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]" in out

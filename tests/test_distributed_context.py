@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -199,3 +200,22 @@ def test_world_of_one_on_a_gpu_uses_nccl(monkeypatch):
         assert total.device == d.device and total.tolist() == [1.0, 1.0, 1.0]
         d.barrier()
     assert not dist.is_initialized()
+
+
+def test_srun_tasks_form_a_group_from_slurm_variables(tmp_path):
+    port = free_port()
+
+    def rank(_init_method):
+        r = os.environ.pop("RANK")  # be an srun task, not an env:// rank
+        for k in ("WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            del os.environ[k]
+        os.environ.update(
+            SLURM_JOB_ID="77", SLURM_JOB_NAME="train", SLURM_STEP_ID="0", SLURM_PROCID=r,
+            SLURM_LOCALID=r, SLURM_NODEID="0", SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_NUM_NODES="1", SLURM_STEP_TASKS_PER_NODE="2",
+            SLURM_STEP_NODELIST="127.0.0.1", MASTER_PORT=str(port),
+        )  # fmt: skip
+        with ad.distributed(timeout=30) as d:
+            return d.launcher, d.rank, d.world_size, ad.all_gather(d.local_rank)
+
+    assert run_ranks(rank, 2, tmp_path) == [("slurm", 0, 2, [0, 1]), ("slurm", 1, 2, [0, 1])]
