@@ -39,8 +39,10 @@ def run_ranks(
     """Run ``fn(init_method)`` as each rank of a world of ``world_size`` forked processes.
 
     Each child gets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (plus ``env``) in
-    its own environment, as a launcher would set them. ``ranks`` starts only some of them
-    (to leave a peer missing); then only their results come back.
+    its own environment, as a launcher would set them, and ``ANYDEVICE_DEVICE=cpu``: these
+    are CPU worlds (gloo) on any machine, and a forked child could not use CUDA anyway.
+    ``ranks`` starts only some of them (to leave a peer missing); then only their results
+    come back.
     """
     started = list(range(world_size) if ranks is None else ranks)
     rdzv = f"file://{tmp_path / 'rdzv'}"
@@ -53,6 +55,7 @@ def run_ranks(
             "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size),
+            "ANYDEVICE_DEVICE": "cpu",
             **(env or {}),
         }
         p = ctx.Process(target=_child, args=(fn, rdzv, variables, out))

@@ -112,6 +112,9 @@ def anydevice(*args: str, timeout: float = 120, env: dict[str, str] | None = Non
     return finish(bounded([sys.executable, "-m", "anydevice", *args], env=env), timeout)
 
 
+CPU = {"ANYDEVICE_DEVICE": "cpu"}  # the launch tests are about CPU worlds, on any machine
+
+
 @pytest.fixture
 def no_process_left_behind():
     with process_tree_guard():
@@ -134,7 +137,7 @@ def test_launch_of_a_missing_script_says_so(capsys):
 
 @pytest.mark.slow
 def test_ddp_example_runs_unchanged_in_one_process():
-    code, out, err = finish(bounded([sys.executable, DDP_EXAMPLE, "--epochs", "1"]))
+    code, out, err = finish(bounded([sys.executable, DDP_EXAMPLE, "--epochs", "1"], env=CPU))
     assert code == 0, err
     assert "1 process(es), no process group" in out
     assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.8
@@ -142,7 +145,7 @@ def test_ddp_example_runs_unchanged_in_one_process():
 
 @pytest.mark.slow
 def test_launch_runs_the_ddp_example_on_two_processes(no_process_left_behind):
-    code, out, err = anydevice("launch", "-n", "2", DDP_EXAMPLE, "--epochs", "1")
+    code, out, err = anydevice("launch", "-n", "2", DDP_EXAMPLE, "--epochs", "1", env=CPU)
     assert code == 0, err
     assert "2 process(es), gloo, on cpu" in out
     assert out.count("test accuracy") == 1  # printed by rank 0 only
@@ -157,7 +160,7 @@ def test_two_nodes_on_this_machine_finish_together(no_process_left_behind):
     common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "60"]
     procs = [
         bounded([sys.executable, "-m", "anydevice", "launch", "-n", "1", *common,
-                 "--node-rank", str(node), DDP_EXAMPLE, "--epochs", "1"])
+                 "--node-rank", str(node), DDP_EXAMPLE, "--epochs", "1"], env=CPU)
         for node in (0, 1)
     ]  # fmt: skip
     t = time.perf_counter()
@@ -183,7 +186,7 @@ def test_a_failing_script_names_the_rank_with_its_traceback_and_exit_code(
         "        raise ZeroDivisionError('rank one divides by zero')\n"
         "    d.barrier()\n"
     )
-    code, _, err = anydevice("launch", "-n", "2", str(script))
+    code, _, err = anydevice("launch", "-n", "2", str(script), env=CPU)
     assert code == 1
     summary = err[err.index("anydevice launch: Rank 1") :]
     assert "ZeroDivisionError: rank one divides by zero" in summary
@@ -234,7 +237,7 @@ def test_srun_one_task_per_node_launches_each_nodes_workers(tmp_path, no_process
                 "60",
                 str(script),
             ],
-            env={**slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)},
+            env={**slurm, **CPU, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)},
         )
         for node in (0, 1)
     ]

@@ -251,7 +251,9 @@ def test_ddp_matches_one_process_training_on_the_concatenated_batch(ddp_run):
 def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     t = time.perf_counter()
     with pytest.raises(ad.WorkerFailedError) as info:
-        ad.launch(workers.fail_on, 1, nprocs=2, timeout=60)
+        # Rank 1 raises, then lingers: rank 0 fails on the closed connection and is seen
+        # first, and rank 1 is stopped before its @record runs. Rank 1 is still the cause.
+        ad.launch(workers.fail_on, 1, 20.0, nprocs=2, timeout=60)
     elapsed = time.perf_counter() - t
     err = info.value
     assert err.rank == 1
@@ -260,7 +262,8 @@ def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     assert "workers.py" in err.traceback  # the worker's own frame, not the launcher's
     assert str(err).startswith("Rank 1 ")
     assert "injected failure on rank 1" in str(err)
-    assert elapsed < 60, f"the failure took {elapsed:.1f} s to surface"
+    assert "rank(s) 0" in str(err)  # the bystander is named as such
+    assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 

@@ -1,12 +1,14 @@
 """Worker functions that tests start with ``ad.launch`` (spawned workers import them here).
 
 The data and the model are functions of a seed, so a test can train the same model on the
-concatenated batch in a single process and compare.
+concatenated batch in a single process and compare. The workers train on the CPU (gloo)
+on any machine; the GPU paths have their own ``cuda`` tests.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ def batches(steps: int, world_size: int, seed: int = 123) -> tuple[torch.Tensor,
 
 def ddp_steps(steps: int, lr: float) -> dict[str, Any]:
     """Train with DDP on this rank's slice of each global batch; report what happened."""
-    with ad.distributed(timeout=60) as d:
+    with ad.distributed(timeout=60, device="cpu") as d:
         return _train(d, steps, lr)
 
 
@@ -66,19 +68,29 @@ def _train(d: ad.Distributed, steps: int, lr: float) -> dict[str, Any]:
     }
 
 
-def fail_on(rank: int) -> int:
-    """Rank ``rank`` raises after the group formed; the others wait in a barrier."""
-    with ad.distributed(timeout=60) as d:
-        if d.rank == rank:
-            raise ValueError(f"injected failure on rank {d.rank}")
-        d.barrier()
-        return d.rank
+def fail_on(rank: int, linger: float = 0.0) -> int:
+    """Rank ``rank`` raises after the group formed; the others wait in a barrier.
+
+    With ``linger``, the failing rank waits that long after leaving the group before its
+    exception goes on: its peers fail first (on the closed connection), the launcher sees
+    them first and stops the failing rank before its own ``@record`` runs — the hard case
+    for naming the root cause.
+    """
+    try:
+        with ad.distributed(timeout=60, device="cpu") as d:
+            if d.rank == rank:
+                raise ValueError(f"injected failure on rank {d.rank}")
+            d.barrier()
+            return d.rank
+    finally:
+        if int(os.environ["RANK"]) == rank:
+            time.sleep(linger)
 
 
 def fail_first_attempt() -> tuple[int, int]:
     """Rank 1 fails on the first attempt only; returns (rank, restart count)."""
     restarts = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    with ad.distributed(timeout=60) as d:
+    with ad.distributed(timeout=60, device="cpu") as d:
         if restarts == 0 and d.rank == 1:
             raise RuntimeError("failing once")
         d.barrier()

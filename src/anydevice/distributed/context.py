@@ -13,7 +13,9 @@ Inside a launcher the context:
    ``timeout`` instead of hanging;
 4. on exit — also on error — collects garbage and then destroys the group. The order
    matters: a DDP reducer freed after ``destroy_process_group`` can deadlock gloo's worker
-   threads against the GIL at interpreter exit.
+   threads against the GIL at interpreter exit. On error under a launcher, the traceback
+   goes to the worker's error file first, so the launcher names this rank, not a peer
+   that failed because this one closed the group.
 
 When the environment says ``WORLD_SIZE > 1`` but no group can be formed, it raises: it
 never lets ranks silently train independent copies.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,9 +52,10 @@ _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 class Distributed:
     """This process's place in the world, as ``with ad.distributed() as d:`` gives it.
 
+    >>> import anydevice as ad
     >>> with distributed() as d:
-    ...     print(d.rank, d.world_size, d.is_main, d.device)
-    0 1 True cpu
+    ...     print(d.rank, d.world_size, d.is_main, d.device == ad.device())
+    0 1 True True
     """
 
     rank: int  #: global rank, 0 .. world_size - 1
@@ -154,17 +158,21 @@ def distributed(
         stack.enter_context(_current_device(dev))
         _init(world, name, dev, timeout, init_method)
         stack.callback(_teardown)
-        yield Distributed(
-            rank=world.rank,
-            local_rank=world.local_rank,
-            world_size=world.world_size,
-            local_world_size=world.local_world_size,
-            node_rank=world.node_rank,
-            device=dev,
-            backend=str(dist.get_backend()),
-            launcher=world.launcher,
-            world=world,
-        )
+        try:
+            yield Distributed(
+                rank=world.rank,
+                local_rank=world.local_rank,
+                world_size=world.world_size,
+                local_world_size=world.local_world_size,
+                node_rank=world.node_rank,
+                device=dev,
+                backend=str(dist.get_backend()),
+                launcher=world.launcher,
+                world=world,
+            )
+        except Exception as e:
+            _record_for_launcher(e)
+            raise
 
 
 def rank_device(spec: DeviceLike, local_rank: int) -> torch.device:
@@ -258,7 +266,15 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
                 f"{world.describe()} cannot form its process group.{hint} Use "
                 f"backend='auto' (here: {backend_for(dev)!r})."
             )
-    if "nccl" in name and dev.type == "cuda" and world.local_world_size > 1:
+    if dev.type == "xla" and name == "gloo":
+        raise DistributedError(
+            "XLA devices need torch_xla's own backend: pass backend='xla' and "
+            "init_method='xla://' (after `import torch_xla.distributed.xla_backend`), or "
+            "start the job with torch_xla's launcher."
+        )
+    # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
+    # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
+    if "nccl" in name and dev.type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
         count = len(selection.devices("cuda"))
         if world.local_world_size > count:
             raise DistributedError(
@@ -334,6 +350,17 @@ def _meeting(world: World, init_method: str) -> str:
     if init_method == "env://":
         return f"{world.master_addr}:{world.master_port}"
     return init_method
+
+
+def _record_for_launcher(e: Exception) -> None:
+    """Write the error to this worker's torchelastic error file now, before the teardown
+    closes the group: the peers fail at once on the closed connection, and the launcher
+    must find this worker's traceback (the root cause) when it looks. The worker's own
+    ``@record`` later writes the same exception over it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
 
 
 def _teardown() -> None:

@@ -23,6 +23,7 @@ Environment variables change only for the duration of the launch and are restore
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import pickle
@@ -33,6 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from anydevice.distributed import environment
@@ -107,7 +109,11 @@ def launch(
     launch``, ``srun`` with one task per GPU, ``mpirun``), it launches nothing: it runs
     ``fn(*args)`` here, once, as this rank.
 
-    Example (a world of two CPU processes)::
+    >>> import operator
+    >>> launch(operator.add, 2, 3, nprocs=2)      # two processes, each computing 2 + 3
+    {0: 5, 1: 5}
+
+    A training script::
 
         def train(steps):
             with ad.distributed() as d:
@@ -370,39 +376,59 @@ def run_agent(
         return dict(sorted(out.items()))
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """One failed worker, as torch reported it or as its error file tells."""
+
+    rank: int
+    local_rank: int
+    pid: int | None
+    exitcode: int
+    message: str
+    trace: str
+    timestamp: int
+    signal: str = ""
+
+    @property
+    def consequence(self) -> bool:
+        """Stopped by the agent, or failed because a peer died: never the root cause."""
+        peer_gone = any(s in self.message + self.trace for s in _PEER_GONE)
+        return self.exitcode == -signal.SIGTERM or peer_gone
+
+
 def worker_failed(err: Any, keep: object = None) -> WorkerFailedError:
     """A :class:`WorkerFailedError` from torch's ``ChildFailedError``: the root cause with
     its traceback, and the other ranks that failed.
 
-    torch takes the failure with the earliest error-file timestamp (whole seconds), which
-    can name a bystander. The root cause here is the earliest failure that is not a
-    consequence of another: not SIGTERM (the agent's signal to the survivors) and not
-    gloo's "remote worker crashing" error, then by timestamp and rank.
+    torch reports the failures its monitor saw and takes the one with the earliest
+    error-file timestamp (whole seconds) as the root cause. Both can miss: when a worker
+    raises, its peers fail at once on the closed connection, and the monitor may see a
+    peer first and stop the rest before it sees the worker that raised. So the error files
+    of the other workers of the attempt are read too, and the root cause is the earliest
+    failure that is not a consequence of another (not SIGTERM, not gloo's "remote worker
+    crashing"), then by timestamp and rank.
     """
-    texts = {r: _failure_text(f) for r, f in err.failures.items()}
-
-    def order(item: tuple[int, Any]) -> tuple[bool, bool, int, int]:
-        r, f = item
-        consequence = any(s in texts[r][0] + texts[r][1] for s in _PEER_GONE)
-        return (f.exitcode == -signal.SIGTERM, consequence, f.timestamp, r)
-
-    rank, first = min(err.failures.items(), key=order)
-    message, trace = texts[rank]
-    if first.exitcode < 0:
-        how = f"was killed by signal {-first.exitcode} ({first.signal_name()})"
+    failures = [_reported(r, f) for r, f in err.failures.items()]
+    failures += _from_error_files(err, {f.local_rank for f in failures})
+    first = min(failures, key=lambda f: (f.consequence, f.timestamp, f.rank))
+    if first.pid is None:
+        how = "raised"
+    elif first.exitcode < 0:
+        how = f"was killed by signal {-first.exitcode} ({first.signal})"
     else:
         how = f"exited with code {first.exitcode}"
-    others = sorted(r for r in err.failures if r != rank)
-    said = f": {message}" if message else "."
-    lines = [f"Rank {rank} (local rank {first.local_rank}, pid {first.pid}) {how}{said}"]
-    if trace:
-        lines += ["", trace.rstrip()]
+    pid = f", pid {first.pid}" if first.pid is not None else ""
+    said = f": {first.message}" if first.message else "."
+    lines = [f"Rank {first.rank} (local rank {first.local_rank}{pid}) {how}{said}"]
+    if first.trace:
+        lines += ["", first.trace.rstrip()]
     elif first.exitcode > 0:
         lines += [
             "",
             "It left no Python traceback: it called sys.exit() or os._exit(), or died in "
             "native code. Raise an exception instead to see where.",
         ]
+    others = sorted(f.rank for f in failures if f is not first)
     if others:
         lines += ["", f"Also failed after it: rank(s) {', '.join(map(str, others))}."]
     lines += [
@@ -416,11 +442,59 @@ def worker_failed(err: Any, keep: object = None) -> WorkerFailedError:
     ]
     return WorkerFailedError(
         "\n".join(lines),
-        rank=rank,
+        rank=first.rank,
         exitcode=first.exitcode,
-        traceback=trace,
-        failures={r: f.exitcode for r, f in err.failures.items()},
+        traceback=first.trace,
+        failures={f.rank: f.exitcode for f in failures},
     )
+
+
+def _reported(rank: int, failure: Any) -> _Failure:
+    message, trace = _failure_text(failure)
+    return _Failure(
+        rank=rank,
+        local_rank=failure.local_rank,
+        pid=failure.pid,
+        exitcode=failure.exitcode,
+        message=message,
+        trace=trace,
+        timestamp=int(failure.timestamp),
+        signal=failure.signal_name() if failure.exitcode < 0 else "",
+    )
+
+
+def _from_error_files(err: Any, known: set[int]) -> list[_Failure]:
+    """Failures the monitor did not report, from the error files of the same attempt
+    (``<log dir>/<run>/attempt_<n>/<local rank>/error.json``)."""
+    rank, failure = next(iter(err.failures.items()))
+    path = Path(str(failure.error_file))
+    attempt, base = path.parent.parent, rank - failure.local_rank
+    if path.name != "error.json" or not attempt.is_dir():
+        return []
+    found = []
+    for sub in sorted(attempt.iterdir()):
+        error_file = sub / "error.json"
+        if not sub.name.isdigit() or int(sub.name) in known or not error_file.is_file():
+            continue
+        try:
+            data = json.loads(error_file.read_text()).get("message", {})
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        info = data.get("extraInfo", {})
+        found.append(
+            _Failure(
+                rank=base + int(sub.name),
+                local_rank=int(sub.name),
+                pid=None,
+                exitcode=1,
+                message=str(data.get("message", "")).strip(),
+                trace=str(info.get("py_callstack", "")),
+                timestamp=int(info.get("timestamp", 0) or 0),
+            )
+        )
+    return found
 
 
 @contextlib.contextmanager
