@@ -130,6 +130,15 @@ def test_launch_help_names_the_torchrun_options(capsys):
         assert option in text
 
 
+def test_launch_takes_torchruns_spellings_and_leaves_script_arguments_alone():
+    args = cli.build_parser().parse_args(
+        ["launch", "--standalone", "--nproc_per_node", "2", "--max_restarts", "1",
+         "--rdzv_id", "job", "train.py", "-n", "5", "--lr", "0.1"]
+    )  # fmt: skip
+    assert (args.nprocs, args.max_restarts, args.rdzv_id) == ("2", 1, "job")
+    assert (args.target, args.args) == ("train.py", ["-n", "5", "--lr", "0.1"])
+
+
 def test_launch_of_a_missing_script_says_so(capsys):
     assert cli.main(["launch", "-n", "2", "no/such/train.py"]) == 1
     assert "No script 'no/such/train.py'" in capsys.readouterr().err

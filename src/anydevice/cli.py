@@ -74,13 +74,17 @@ def _doctor(args: argparse.Namespace) -> int:
 def _launch_args(p: argparse.ArgumentParser) -> None:
     p.usage = "anydevice launch [-n N] [options] SCRIPT [ARGS...]  |  ... -m MODULE [ARGS...]"
     p.epilog = (
-        "Like torchrun, on torch's elastic agent. Under srun with one task per node, the "
-        "nodes, node rank and rendezvous come from SLURM's variables; with one task per "
-        "GPU, or under torchrun or mpirun, the script runs in place as the rank it already is."
+        "Like torchrun, on torch's elastic agent (torchrun's spellings of the options work "
+        "too). Under srun with one task per node, the nodes, node rank and rendezvous come "
+        "from SLURM's variables; with one task per GPU, or under torchrun or mpirun, the "
+        "script runs in place as the rank it already is."
     )
     p.add_argument(
         "-n",
         "--nprocs",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nprocs",
         default="auto",
         metavar="N",
         help="processes on this node: a number, 'gpu' (one per GPU) or 'auto' (default: "
@@ -89,6 +93,8 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes (default 1)")
     p.add_argument(
         "--node-rank",
+        "--node_rank",
+        dest="node_rank",
         type=int,
         default=None,
         metavar="R",
@@ -96,13 +102,28 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
         default=None,
         metavar="HOST:PORT",
         help="where the nodes meet (needed with --nnodes > 1)",
     )
-    p.add_argument("--rdzv-id", default=None, metavar="ID", help="job name, the same on every node")
     p.add_argument(
-        "--max-restarts", type=int, default=0, metavar="K", help="restarts after a failure"
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="rdzv_id",
+        default=None,
+        metavar="ID",
+        help="job name, the same on every node",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restarts after a failure",
     )
     p.add_argument(
         "--timeout",
@@ -111,7 +132,19 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds to wait for all nodes to join (default 300)",
     )
-    p.add_argument("--log-dir", default=None, metavar="DIR", help="keep each worker's logs here")
+    p.add_argument(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=None,
+        metavar="DIR",
+        help="keep each worker's logs here",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun's sake: one node is the default",
+    )
     p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module")
     p.add_argument("target", metavar="SCRIPT", help="the script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
