@@ -7,6 +7,8 @@ that fails it if a process is left behind.
 
 from __future__ import annotations
 
+import json
+import operator
 import os
 import pickle
 import signal
@@ -178,6 +180,23 @@ def test_inside_a_launched_world_the_function_runs_here(monkeypatch):
     assert before == {1: os.getpid()}  # nothing spawned: this process, as rank 1
 
 
+def test_in_place_under_torchelastic_leaves_the_traceback_for_the_outer_agent(
+    monkeypatch, tmp_path
+):
+    error_file = tmp_path / "error.json"
+    env = {
+        "TORCHELASTIC_RUN_ID": "outer", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_ERROR_FILE": str(error_file),
+    }  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ZeroDivisionError):
+        ad.launch(operator.truediv, 1, 0)  # runs here, as rank 0 of the outer world
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"].startswith("ZeroDivisionError")
+    assert "ZeroDivisionError" in recorded["extraInfo"]["py_callstack"]
+
+
 # ----------------------------------------------------------------------------- real launches
 
 
@@ -294,6 +313,11 @@ def test_a_missing_node_times_out_within_the_configured_time():
     elapsed = time.perf_counter() - t
     assert 3 <= elapsed < 30, elapsed
     assert isinstance(ad.DistributedTimeoutError("x"), TimeoutError)
+
+
+@pytest.mark.slow
+def test_fork_start_method_launches_from_this_process():
+    assert ad.launch(operator.mul, 6, 7, nprocs=2, start_method="fork") == {0: 42, 1: 42}
 
 
 @pytest.mark.slow

@@ -339,19 +339,22 @@ def run_agent(
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="anydevice-launch-"))
         stack.enter_context(scoped_environ(chosen.env))
         stack.enter_context(_scoped_signal_handlers())
-        config = LaunchConfig(
-            min_nodes=chosen.min_nodes,
-            max_nodes=chosen.max_nodes,
-            nproc_per_node=chosen.nproc_per_node,
-            run_id=chosen.run_id,
-            rdzv_backend="c10d",
-            rdzv_endpoint=chosen.rdzv_endpoint,
-            rdzv_configs=dict(chosen.rdzv_configs),
-            max_restarts=chosen.max_restarts,
-            start_method=chosen.start_method,
-            local_addr=chosen.local_addr,
-            logs_specs=DefaultLogsSpecs(log_dir=root),
-        )
+        # LaunchConfig asks torch.cuda.is_available() (for NUMA binding), which initialises
+        # the CUDA driver here and would leave forked workers without CUDA: ask NVML.
+        with scoped_environ({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
+            config = LaunchConfig(
+                min_nodes=chosen.min_nodes,
+                max_nodes=chosen.max_nodes,
+                nproc_per_node=chosen.nproc_per_node,
+                run_id=chosen.run_id,
+                rdzv_backend="c10d",
+                rdzv_endpoint=chosen.rdzv_endpoint,
+                rdzv_configs=dict(chosen.rdzv_configs),
+                max_restarts=chosen.max_restarts,
+                start_method=chosen.start_method,
+                local_addr=chosen.local_addr,
+                logs_specs=DefaultLogsSpecs(log_dir=root),
+            )
         logger.info("launching %s", chosen.describe())
         try:
             out: dict[int, Any] = elastic_launch(config, entrypoint)(*args)
