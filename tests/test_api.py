@@ -23,6 +23,10 @@ DOCUMENTED = {
     "BatchSizeError", "Measurement", "MeasurementError", "MemoryStats", "MemoryUsage",
     "SyncReport", "Timer", "find_syncs", "fit_batch_size", "free_memory", "memory",
     "nvtx_range", "profile", "timeit", "track_memory",
+    # many devices, many machines
+    "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
+    "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
+    "prepare", "share", "unwrap",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -76,3 +80,16 @@ def test_pynvml_is_not_imported_by_anydevice_itself():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "cpu"
+
+
+def test_import_loads_no_elastic_agent():
+    # torch.distributed comes with torch; the elastic agent loads only when a launch starts.
+    code = (
+        "import sys, json; import anydevice; "
+        "print(json.dumps([m for m in sys.modules if m.startswith('torch.distributed.elastic') "
+        "or m.startswith('torch.distributed.launcher') or m == 'torch._dynamo']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == []

@@ -1,14 +1,22 @@
-"""The ``anydevice`` command, run as a real subprocess."""
+"""The ``anydevice`` command, run as a real subprocess (launches in their own session, so a
+timeout stops the whole process tree)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from anydevice import cli
+from ranks import process_tree_guard
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -64,3 +72,185 @@ def test_version():
     out = run("--version")
     assert out.returncode == 0
     assert out.stdout.startswith("anydevice ")
+
+
+# ----------------------------------------------------------------------------- launch
+
+ROOT = Path(__file__).resolve().parents[1]
+DDP_EXAMPLE = str(ROOT / "examples" / "ddp_train.py")
+
+
+def bounded(
+    argv: list[str], timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """Start ``argv`` in its own session, so a timeout can stop its whole process tree."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish within {timeout} s") from None
+    return proc.returncode, out, err
+
+
+def anydevice(*args: str, timeout: float = 120, env: dict[str, str] | None = None):
+    return finish(bounded([sys.executable, "-m", "anydevice", *args], env=env), timeout)
+
+
+CPU = {"ANYDEVICE_DEVICE": "cpu"}  # the launch tests are about CPU worlds, on any machine
+
+
+@pytest.fixture
+def no_process_left_behind():
+    with process_tree_guard():
+        yield
+
+
+def test_launch_help_names_the_torchrun_options(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts", "-n"):
+        assert option in text
+
+
+def test_launch_takes_torchruns_spellings_and_leaves_script_arguments_alone():
+    args = cli.build_parser().parse_args(
+        ["launch", "--standalone", "--nproc_per_node", "2", "--max_restarts", "1",
+         "--rdzv_id", "job", "train.py", "-n", "5", "--lr", "0.1"]
+    )  # fmt: skip
+    assert (args.nprocs, args.max_restarts, args.rdzv_id) == ("2", 1, "job")
+    assert (args.target, args.args) == ("train.py", ["-n", "5", "--lr", "0.1"])
+
+
+def test_launch_of_a_missing_script_says_so(capsys):
+    assert cli.main(["launch", "-n", "2", "no/such/train.py"]) == 1
+    assert "No script 'no/such/train.py'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ddp_example_runs_unchanged_in_one_process():
+    code, out, err = finish(bounded([sys.executable, DDP_EXAMPLE, "--epochs", "1"], env=CPU))
+    assert code == 0, err
+    assert "1 process(es), no process group" in out
+    assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.8
+
+
+@pytest.mark.slow
+def test_launch_runs_the_ddp_example_on_two_processes(no_process_left_behind):
+    code, out, err = anydevice("launch", "-n", "2", DDP_EXAMPLE, "--epochs", "1", env=CPU)
+    assert code == 0, err
+    assert "2 process(es), gloo, on cpu" in out
+    assert out.count("test accuracy") == 1  # printed by rank 0 only
+    assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.8
+
+
+@pytest.mark.slow
+def test_two_nodes_on_this_machine_finish_together(no_process_left_behind):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "60"]
+    procs = [
+        bounded([sys.executable, "-m", "anydevice", "launch", "-n", "1", *common,
+                 "--node-rank", str(node), DDP_EXAMPLE, "--epochs", "1"], env=CPU)
+        for node in (0, 1)
+    ]  # fmt: skip
+    t = time.perf_counter()
+    results = [finish(p, timeout=120) for p in procs]
+    ended = time.perf_counter() - t
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    outputs = "".join(out for _, out, _ in results)
+    assert "2 process(es), gloo, on cpu" in outputs  # one world of two, across the nodes
+    assert outputs.count("test accuracy") == 1
+    assert ended < 120
+
+
+@pytest.mark.slow
+def test_a_failing_script_names_the_rank_with_its_traceback_and_exit_code(
+    tmp_path, no_process_left_behind
+):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "import anydevice as ad\n"
+        "with ad.distributed(timeout=60) as d:\n"
+        "    if d.rank == 1:\n"
+        "        raise ZeroDivisionError('rank one divides by zero')\n"
+        "    d.barrier()\n"
+    )
+    code, _, err = anydevice("launch", "-n", "2", str(script), env=CPU)
+    assert code == 1
+    summary = err[err.index("anydevice launch: Rank 1") :]
+    assert "ZeroDivisionError: rank one divides by zero" in summary
+    assert f'File "{script}", line 5' in summary  # the script's own line
+
+
+def test_launch_inside_a_launched_world_runs_the_script_in_place(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import os, sys\nprint('ran', os.getpid(), sys.argv[1:])\n")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    proc = bounded(
+        [sys.executable, "-m", "anydevice", "launch", "-n", "4", str(script), "x"], env=env
+    )
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, err
+    assert out.split() == ["ran", str(proc.pid), "['x']"]  # the launcher's own process
+
+
+@pytest.mark.slow
+def test_srun_one_task_per_node_launches_each_nodes_workers(tmp_path, no_process_left_behind):
+    script = tmp_path / "world.py"
+    script.write_text(
+        "import anydevice as ad\n"
+        "with ad.distributed(timeout=60) as d:\n"
+        "    ranks = ad.all_gather((d.rank, d.node_rank, d.local_rank))\n"
+        "    if d.is_main:\n"
+        "        print('world', d.world_size, sorted(ranks))\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    slurm = {  # what srun --nodes 2 --ntasks-per-node 1 gives each task
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_LOCALID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_STEP_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }  # fmt: skip
+    procs = [
+        bounded(
+            [
+                sys.executable,
+                "-m",
+                "anydevice",
+                "launch",
+                "-n",
+                "2",
+                "--timeout",
+                "60",
+                str(script),
+            ],
+            env={**slurm, **CPU, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)},
+        )
+        for node in (0, 1)
+    ]
+    results = [finish(p, timeout=120) for p in procs]
+    assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
+    out = "".join(o for _, o, _ in results)
+    assert "world 4 [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]" in out

@@ -12,6 +12,23 @@ from __future__ import annotations
 from anydevice._version import __version__
 from anydevice.batch_size import fit_batch_size
 from anydevice.checkpoint import load, save
+
+# ``ad.distributed`` is the function, which shadows the package of the same name as an
+# attribute of ``anydevice``: reach the package's modules with ``from
+# anydevice.distributed.elastic import plan`` (``import anydevice.distributed.elastic as m``
+# would look the name up on the function).
+from anydevice.distributed import (
+    Distributed,
+    all_gather,
+    all_reduce,
+    broadcast,
+    distributed,
+    gather_for_metrics,
+    launch,
+    prepare,
+    share,
+    unwrap,
+)
 from anydevice.errors import (
     AnydeviceError,
     BatchSizeError,
@@ -19,12 +36,15 @@ from anydevice.errors import (
     DeviceMismatchError,
     DeviceNotFoundError,
     DeviceSpecError,
+    DistributedError,
+    DistributedTimeoutError,
     MeasurementError,
     MoveError,
     NoTensorError,
     PrecisionError,
     StepOrderError,
     VisibilityError,
+    WorkerFailedError,
 )
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
 from anydevice.layout import channels_last
@@ -57,6 +77,9 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
+    "Distributed",
+    "DistributedError",
+    "DistributedTimeoutError",
     "HostInfo",
     "Inventory",
     "LoaderStats",
@@ -73,7 +96,11 @@ __all__ = [
     "SyncReport",
     "Timer",
     "VisibilityError",
+    "WorkerFailedError",
     "__version__",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
     "channels_last",
     "check_devices",
     "describe",
@@ -82,22 +109,28 @@ __all__ = [
     "devices",
     "devices_of",
     "diagnose",
+    "distributed",
     "fast_matmul",
     "find_syncs",
     "fit_batch_size",
     "free_memory",
+    "gather_for_metrics",
     "inventory",
+    "launch",
     "load",
     "memory",
     "nvtx_range",
     "precision",
+    "prepare",
     "profile",
     "restrict_visible",
     "save",
+    "share",
     "side_stream",
     "timeit",
     "to",
     "track_memory",
     "try_all_gpus",
     "try_gpu",
+    "unwrap",
 ]

@@ -1,4 +1,4 @@
-"""The ``anydevice`` command: ``info``, ``doctor``.
+"""The ``anydevice`` command: ``info``, ``doctor``, ``launch``.
 
 Each sub-command registers itself in :data:`COMMANDS` with a function that adds its
 arguments and one that runs it; ``main`` parses and dispatches.
@@ -68,11 +68,124 @@ def _doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+# ----------------------------------------------------------------------------- launch
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    p.usage = "anydevice launch [-n N] [options] SCRIPT [ARGS...]  |  ... -m MODULE [ARGS...]"
+    p.epilog = (
+        "Like torchrun, on torch's elastic agent (torchrun's spellings of the options work "
+        "too). Under srun with one task per node, the nodes, node rank and rendezvous come "
+        "from SLURM's variables; with one task per GPU, or under torchrun or mpirun, the "
+        "script runs in place as the rank it already is."
+    )
+    p.add_argument(
+        "-n",
+        "--nprocs",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nprocs",
+        default="auto",
+        metavar="N",
+        help="processes on this node: a number, 'gpu' (one per GPU) or 'auto' (default: "
+        "one per GPU, else 1)",
+    )
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes (default 1)")
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="0 on the node at --rdzv-endpoint, which hosts the rendezvous",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the nodes meet (needed with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="rdzv_id",
+        default=None,
+        metavar="ID",
+        help="job name, the same on every node",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restarts after a failure",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for all nodes to join (default 300)",
+    )
+    p.add_argument(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=None,
+        metavar="DIR",
+        help="keep each worker's logs here",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun's sake: one node is the default",
+    )
+    p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module")
+    p.add_argument("target", metavar="SCRIPT", help="the script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from anydevice.distributed.elastic import launch_script
+    from anydevice.errors import DistributedError, WorkerFailedError
+
+    try:
+        return launch_script(
+            args.target,
+            args.args,
+            module=args.module,
+            nprocs=args.nprocs,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+            timeout=args.timeout,
+            log_dir=args.log_dir,
+        )
+    except WorkerFailedError as e:
+        print(f"anydevice launch: {e}", file=sys.stderr)
+        return e.exitcode if e.exitcode > 0 else 128 - e.exitcode if e.exitcode < 0 else 1
+    except (DistributedError, ValueError, LookupError, OSError) as e:
+        print(f"anydevice launch: {e}", file=sys.stderr)
+        return 1
+
+
 COMMANDS: dict[str, Command] = {
     "info": Command(
         "what devices this machine has (no CUDA context is created)", _info_args, _info
     ),
     "doctor": Command("check this machine's set-up and say what to fix", _doctor_args, _doctor),
+    "launch": Command(
+        "run a script in one process per device, on one or several machines",
+        _launch_args,
+        _launch,
+    ),
 }
 
 

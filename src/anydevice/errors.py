@@ -15,14 +15,18 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── PrecisionError (ValueError)         a precision mode unknown, or one the device cannot run
     ├── StepOrderError (RuntimeError)       backward / unscale_ / step called out of order
     ├── MeasurementError (RuntimeError)     a timing or memory reading cannot be made as asked
-    └── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
+    ├── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
+    └── DistributedError (RuntimeError)     a process group cannot be formed or used
+        ├── DistributedTimeoutError (TimeoutError)  peers did not join in time
+        └── WorkerFailedError               a launched worker failed: rank, exit code, traceback
 
 Messages say what happened, with the values, and what to do.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -34,12 +38,15 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceNotFoundError",
     "DeviceSpecError",
+    "DistributedError",
+    "DistributedTimeoutError",
     "MeasurementError",
     "MoveError",
     "NoTensorError",
     "PrecisionError",
     "StepOrderError",
     "VisibilityError",
+    "WorkerFailedError",
 ]
 
 
@@ -130,3 +137,52 @@ class BatchSizeError(AnydeviceError, RuntimeError):
     Either even the smallest batch (``low``) runs out of memory, or ``step`` never ran out
     of memory at all (it probably ignores its batch size), or another rank failed.
     """
+
+
+class DistributedError(AnydeviceError, RuntimeError):
+    """A process group cannot be formed or used as asked.
+
+    Raised, among others, when the environment says ``WORLD_SIZE > 1`` but no process group
+    exists, so that the ranks would silently train independent copies.
+    """
+
+
+class DistributedTimeoutError(DistributedError, TimeoutError):
+    """Peers did not join within the configured time (a missing node or rank)."""
+
+
+class WorkerFailedError(DistributedError):
+    """A launched worker failed. The message names the rank and carries its traceback.
+
+    Attributes:
+        rank: the global rank whose failure came first (the root cause).
+        exitcode: that worker's exit code; negative for a signal (``-9``: SIGKILL).
+        traceback: the worker's Python traceback, or ``""`` when it left none (it was killed,
+            or it called ``sys.exit``).
+        failures: every failed rank, mapped to its exit code.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exitcode: int,
+        traceback: str = "",
+        failures: dict[int, int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.failures = dict(failures) if failures else {rank: exitcode}
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Keyword-only fields do not survive Exception's default pickling.
+        fields: dict[str, Any] = {
+            "rank": self.rank,
+            "exitcode": self.exitcode,
+            "traceback": self.traceback,
+            "failures": self.failures,
+        }
+        return functools.partial(type(self), **fields), (str(self.args[0]),)

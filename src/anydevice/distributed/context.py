@@ -1,0 +1,371 @@
+"""``with ad.distributed() as d:`` — this process's place in a world, and its process group.
+
+The same script runs under ``python train.py`` (a world of one, no process group) and under
+``anydevice launch -n 4 train.py``, ``torchrun``, ``srun`` or ``mpirun`` (a group of four).
+Inside a launcher the context:
+
+1. reads the world from the environment (:mod:`anydevice.distributed.environment`);
+2. picks this rank's device — the ``LOCAL_RANK``-th GPU, else the CPU — from anydevice's
+   inventory (NVML, so no CUDA context is created on the wrong GPU), and makes it the
+   current device *before* any CUDA work;
+3. initialises the process group: NCCL for CUDA, XCCL for XPU where torch has it, gloo for
+   the CPU; a missing rank raises :class:`~anydevice.errors.DistributedTimeoutError` after
+   ``timeout`` instead of hanging;
+4. on exit — also on error — collects garbage and then destroys the group. The order
+   matters: a DDP reducer freed after ``destroy_process_group`` can deadlock gloo's worker
+   threads against the GIL at interpreter exit. On error under a launcher, the traceback
+   goes to the worker's error file first, so the launcher names this rank, not a peer
+   that failed because this one closed the group.
+
+When the environment says ``WORLD_SIZE > 1`` but no group can be formed, it raises: it
+never lets ranks silently train independent copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from anydevice import selection
+from anydevice.distributed import environment
+from anydevice.distributed.environment import World
+from anydevice.errors import DistributedError, DistributedTimeoutError
+from anydevice.selection import DeviceLike
+
+__all__ = ["Distributed", "backend_for", "distributed", "rank_device"]
+
+logger = logging.getLogger("anydevice")
+
+#: The collective backend torch recommends for each device kind.
+_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place in the world, as ``with ad.distributed() as d:`` gives it.
+
+    >>> import anydevice as ad
+    >>> with distributed() as d:
+    ...     print(d.rank, d.world_size, d.is_main, d.device == ad.device())
+    0 1 True True
+    """
+
+    rank: int  #: global rank, 0 .. world_size - 1
+    local_rank: int  #: rank on this machine
+    world_size: int
+    local_world_size: int  #: ranks on this machine
+    node_rank: int
+    device: torch.device  #: this rank's device, already the current one
+    backend: str | None  #: nccl, gloo, ...; None in a world of one without a group
+    launcher: str  #: torchelastic, env, slurm, mpi or single
+    world: World = field(repr=False)
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0 (log, save checkpoints, print here)."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on local rank 0 (download, unpack, cache here: once per machine)."""
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group exists (a launcher started this process)."""
+        return self.backend is not None
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here; returns at once in a world of one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self.device.type == "cuda" and "nccl" in str(dist.get_backend()):
+            dist.barrier(device_ids=[_index(self.device)])
+        else:
+            dist.barrier()
+
+
+@contextlib.contextmanager
+def distributed(
+    backend: str = "auto",
+    *,
+    timeout: float | timedelta | None = None,
+    device: DeviceLike = "auto",
+    init_method: str | None = None,
+) -> Iterator[Distributed]:
+    """Join the world a launcher started, or be a world of one; leave it cleanly.
+
+    >>> import anydevice as ad
+    >>> with ad.distributed() as d:
+    ...     d.barrier()              # no-op in a world of one
+    ...     print(d.launcher, d.backend)
+    single None
+
+    Args:
+        backend: ``"auto"`` (NCCL on CUDA, XCCL on XPU, gloo on the CPU), or any name
+            ``torch.distributed.init_process_group`` takes, e.g. ``"gloo"`` or
+            ``"cpu:gloo,cuda:nccl"``.
+        timeout: seconds (or a ``timedelta``) to wait for the other ranks to join and for
+            each collective; default torch's (10 minutes for NCCL, 30 for gloo). A missing
+            rank raises after this long.
+        device: the device spec to pick this rank's device from. ``"auto"`` gives the
+            ``local_rank``-th device of the best accelerator, else the CPU, and honours
+            ``ANYDEVICE_DEVICE``.
+        init_method: where the ranks meet, instead of what the launcher says: e.g.
+            ``"file:///shared/job42"`` on a shared file system where ports are closed, or
+            ``"tcp://10.0.0.1:23456"``. Ranks and world size still come from the launcher;
+            outside one, it makes a group of one.
+
+    Returns:
+        A context manager whose value is a :class:`Distributed`.
+
+    Raises:
+        DistributedError: the environment names a world that cannot be joined (no group
+            can be formed, the backend is missing from this torch build, two ranks would
+            share one GPU under NCCL), or a process group already exists with another
+            backend.
+        DistributedTimeoutError: the other ranks did not join within ``timeout``.
+    """
+    world = environment.detect()
+    if dist.is_available() and dist.is_initialized():
+        if init_method is not None:
+            raise DistributedError(
+                f"A process group already exists, so ad.distributed(init_method="
+                f"{init_method!r}) cannot make another. Drop the argument."
+            )
+        yield _existing(world, backend, timeout, device)
+        return
+    if not world.is_launched and init_method is None:
+        yield Distributed(0, 0, 1, 1, 0, rank_device(device, 0), None, "single", world)
+        return
+    if not dist.is_available():
+        raise DistributedError(
+            f"This process is {world.describe()}, but this torch build has no "
+            "torch.distributed. Install a torch build with distributed support."
+        )
+    dev = rank_device(device, world.local_rank)
+    name = backend_for(dev) if backend == "auto" else backend
+    _check_backend(name, dev, world)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_current_device(dev))
+        _init(world, name, dev, timeout, init_method)
+        stack.callback(_teardown)
+        try:
+            yield Distributed(
+                rank=world.rank,
+                local_rank=world.local_rank,
+                world_size=world.world_size,
+                local_world_size=world.local_world_size,
+                node_rank=world.node_rank,
+                device=dev,
+                backend=str(dist.get_backend()),
+                launcher=world.launcher,
+                world=world,
+            )
+        except Exception as e:
+            _record_for_launcher(e)
+            raise
+
+
+def rank_device(spec: DeviceLike, local_rank: int) -> torch.device:
+    """The device of the rank with this local rank: the ``local_rank``-th device ``spec``
+    covers (``"auto"``: the best accelerator's devices, else the CPU), wrapping around.
+
+    >>> rank_device("auto", 3).type in ("cpu", "cuda", "mps", "xpu", "xla")
+    True
+    >>> rank_device("cpu", 5)
+    device(type='cpu')
+    """
+    parsed = selection.parse_spec(spec)
+    if parsed.kind in ("cpu", "meta"):
+        return torch.device(parsed.kind)
+    if parsed.index is not None:
+        return selection.device(spec)
+    found = selection.devices(spec)
+    return found[local_rank % len(found)]
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for a device kind: NCCL on CUDA, XCCL on XPU (when this torch
+    has it), gloo otherwise.
+
+    >>> backend_for(torch.device("cpu"))
+    'gloo'
+    """
+    name = _BACKENDS.get(device.type, "gloo")
+    if name == "xccl" and not getattr(dist, "is_xccl_available", lambda: False)():
+        return "gloo"
+    return name
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else 0
+
+
+def _seconds(timeout: float | timedelta) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def _existing(
+    world: World, backend: str, timeout: float | timedelta | None, device: DeviceLike
+) -> Distributed:
+    """A group made elsewhere (by the user, or an outer ``ad.distributed``): use it as is,
+    never destroy it, and refuse arguments that would have made a different one."""
+    current = str(dist.get_backend())
+    if backend != "auto" and backend != current:
+        raise DistributedError(
+            f"A process group with backend {current!r} already exists, so "
+            f"ad.distributed(backend={backend!r}) cannot make its own. Drop the argument, "
+            "or destroy the existing group first."
+        )
+    if timeout is not None:
+        raise DistributedError(
+            "A process group already exists, and its timeout was fixed when it was made; "
+            f"ad.distributed(timeout={timeout!r}) cannot change it. Drop the argument."
+        )
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = world.local_rank if world.world_size == size else 0
+    if "nccl" in current and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = rank_device(device, local)
+    local_size = world.local_world_size if world.world_size == size else 1
+    node = world.node_rank if world.world_size == size else 0
+    return Distributed(rank, local, size, local_size, node, dev, current, world.launcher, world)
+
+
+def _check_backend(name: str, dev: torch.device, world: World) -> None:
+    for part in name.split(","):
+        backend = part.rpartition(":")[2]
+        available = {
+            "gloo": dist.is_gloo_available,
+            "nccl": dist.is_nccl_available,
+            "mpi": dist.is_mpi_available,
+            "xccl": getattr(dist, "is_xccl_available", lambda: False),
+            "ucc": getattr(dist, "is_ucc_available", lambda: False),
+        }.get(backend)
+        if available is not None and not available():
+            hint = (
+                " NCCL needs a CUDA build of torch and an NVIDIA GPU; on the CPU use gloo."
+                if backend == "nccl"
+                else ""
+            )
+            raise DistributedError(
+                f"Backend {backend!r} is not built into this torch ({torch.__version__}), so "
+                f"{world.describe()} cannot form its process group.{hint} Use "
+                f"backend='auto' (here: {backend_for(dev)!r})."
+            )
+    if dev.type == "xla" and name == "gloo":
+        raise DistributedError(
+            "XLA devices need torch_xla's own backend: pass backend='xla' and "
+            "init_method='xla://' (after `import torch_xla.distributed.xla_backend`), or "
+            "start the job with torch_xla's launcher."
+        )
+    # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
+    # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
+    if "nccl" in name and dev.type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        count = len(selection.devices("cuda"))
+        if world.local_world_size > count:
+            raise DistributedError(
+                f"{world.local_world_size} ranks run on this machine but {count} CUDA "
+                f"device(s) are visible, so ranks would share a GPU, which NCCL refuses "
+                f"('Duplicate GPU detected'). Launch at most {count} process(es) per machine "
+                "(anydevice launch -n gpu), or use backend='gloo' to share."
+            )
+
+
+@contextlib.contextmanager
+def _current_device(dev: torch.device) -> Iterator[None]:
+    """Make ``dev`` the current device for the block and restore the previous one after."""
+    if dev.type == "cuda":
+        with torch.cuda.device(_index(dev)):
+            yield
+    elif dev.type == "xpu":
+        with torch.xpu.device(_index(dev)):
+            yield
+    else:
+        yield
+
+
+def _init(
+    world: World,
+    backend: str,
+    dev: torch.device,
+    timeout: float | timedelta | None,
+    init_method: str | None,
+) -> None:
+    init_method = init_method or world.init_method
+    if init_method is None or (init_method == "env://" and not world.master_port):
+        raise DistributedError(
+            f"This process is {world.describe()}, but the address of rank 0 is unknown "
+            f"(MASTER_ADDR={world.master_addr!r}, MASTER_PORT={world.master_port!r}). Set "
+            "MASTER_ADDR and MASTER_PORT for every rank (mpirun -x MASTER_ADDR -x "
+            "MASTER_PORT ...), or start the job with `anydevice launch`."
+        )
+    options: dict[str, object] = {}
+    if timeout is not None:
+        options["timeout"] = _seconds(timeout)
+    if dev.type in ("cuda", "xpu") and backend in ("nccl", "xccl"):
+        options["device_id"] = dev  # binds the group to this GPU: eager, correct barriers
+    logger.info("init_process_group(%s, %s) as %s", backend, init_method, world.describe())
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=world.rank,
+            world_size=world.world_size,
+            **options,  # type: ignore[arg-type]
+        )
+    except RuntimeError as e:  # torch's DistError family, or a bare one from file://
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = _meeting(world, init_method)
+        if isinstance(e, dist.DistStoreError) or "time" in first.lower():
+            waited = f"{_seconds(timeout).total_seconds():g} s" if timeout is not None else "the"
+            raise DistributedTimeoutError(
+                f"The other ranks did not join within {waited} timeout: this process is "
+                f"{world.describe()}, meeting at {where} ({first}). Check that every rank was "
+                "started with the same address and WORLD_SIZE and that none crashed before "
+                "joining, or wait longer (timeout=)."
+            ) from e
+        if isinstance(e, dist.DistNetworkError):
+            raise DistributedError(
+                f"Could not reach rank 0 at {where} as {world.describe()}: {first}. Check "
+                "MASTER_ADDR/MASTER_PORT and the firewall."
+            ) from e
+        raise
+
+
+def _meeting(world: World, init_method: str) -> str:
+    if init_method == "env://":
+        return f"{world.master_addr}:{world.master_port}"
+    return init_method
+
+
+def _record_for_launcher(e: Exception) -> None:
+    """Write the error to this worker's torchelastic error file now, before the teardown
+    closes the group: the peers fail at once on the closed connection, and the launcher
+    must find this worker's traceback (the root cause) when it looks. The worker's own
+    ``@record`` later writes the same exception over it."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+
+
+def _teardown() -> None:
+    # Free what still holds the group (a dropped DDP model, its reducer, pending work)
+    # while the group is alive, then destroy it.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,533 @@
+"""``ad.launch(fn, ...)``: one process per device through torch's elastic agent.
+
+The agent is the one ``torchrun`` runs (``torch.distributed.launcher.api.elastic_launch``):
+it rendezvouses the nodes, starts and watches the workers, restarts them, records each
+worker's traceback in an error file, and stops the others when one fails. anydevice only
+fills in its configuration — the parts that are easy to get wrong:
+
+* **Standalone** (one node): a c10d rendezvous on ``127.0.0.1:0``, so the operating system
+  hands out a free port (no race) and nothing listens beyond this machine.
+* **Several nodes**: c10d at ``rdzv_endpoint`` with a bounded ``join_timeout`` (torch's
+  default waits 600 s for a missing node); the node with ``node_rank=0`` hosts the store.
+* **Restarts and elastic node ranges** set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with
+  torch's shared store a restarted group often reconnects to the previous attempt's peers
+  (pytorch/pytorch#135712, #167288) — with it, restarts recover.
+* **Threads**: unless ``OMP_NUM_THREADS`` is set, each worker gets its share of the usable
+  cores (torchrun gives each 1).
+* **Logs** go to a temporary directory that is removed afterwards, unless ``log_dir`` is given.
+* **Spawn** by default: forking after CUDA or ``torch._dynamo`` was loaded is unsafe.
+
+Environment variables change only for the duration of the launch and are restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from anydevice.distributed import environment
+from anydevice.distributed.environment import World
+from anydevice.distributed.failures import worker_failed
+from anydevice.errors import (
+    DeviceNotFoundError,
+    DistributedError,
+    DistributedTimeoutError,
+)
+from anydevice.inventory import Inventory
+
+__all__ = ["LaunchPlan", "launch", "launch_script", "plan", "resolve_nprocs", "run_agent"]
+
+logger = logging.getLogger("anydevice")
+
+T = TypeVar("T")
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the elastic agent needs, worked out from ``launch``'s arguments (pure data)."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    rdzv_endpoint: str
+    rdzv_configs: dict[str, Any]
+    run_id: str
+    max_restarts: int
+    start_method: str
+    local_addr: str | None
+    env: dict[str, str] = field(default_factory=dict)  #: set in the launcher for the run
+
+    @property
+    def standalone(self) -> bool:
+        """True when this is the only node."""
+        return self.max_nodes == 1
+
+    def describe(self) -> str:
+        nodes = (
+            str(self.min_nodes)
+            if self.min_nodes == self.max_nodes
+            else f"{self.min_nodes}:{self.max_nodes}"
+        )
+        return (
+            f"{self.nproc_per_node} process(es) per node on {nodes} node(s), rendezvous "
+            f"{self.rdzv_endpoint} (run id {self.run_id!r})"
+        )
+
+
+def launch(
+    fn: Callable[..., T],
+    *args: Any,
+    nprocs: int | str = "auto",
+    nnodes: int | str = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    start_method: str = "spawn",
+    timeout: float = 300.0,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> dict[int, T]:
+    """Run ``fn(*args)`` in one process per device and return what each rank returned.
+
+    Called in a process that a launcher already started (``torchrun``, ``anydevice
+    launch``, ``srun`` with one task per GPU, ``mpirun``), it launches nothing: it runs
+    ``fn(*args)`` here, once, as this rank.
+
+    >>> import operator
+    >>> launch(operator.add, 2, 3, nprocs=2)      # two processes, each computing 2 + 3
+    {0: 5, 1: 5}
+
+    A training script::
+
+        def train(steps):
+            with ad.distributed() as d:
+                ...
+                return d.rank
+
+        if __name__ == "__main__":
+            print(ad.launch(train, 20, nprocs=2))   # {0: 0, 1: 1}
+
+    Args:
+        fn: the worker function. With ``spawn`` it must be importable: defined at module
+            level, and the call to ``launch`` guarded by ``if __name__ == "__main__":``.
+        args: passed to ``fn`` in every worker (pickled).
+        nprocs: processes on this node: ``"auto"`` (one per visible GPU, else 1),
+            ``"gpu"`` (one per GPU; an error without one), or an int.
+        nnodes: number of nodes, or ``"MIN:MAX"`` for an elastic range.
+        node_rank: 0 on the node that hosts the rendezvous (the ``rdzv_endpoint`` host).
+            Ranks are assigned at rendezvous, so it decides only who hosts.
+        rdzv_endpoint: ``HOST:PORT`` every node can reach; needed when ``nnodes > 1``.
+        run_id: the job's name, the same on every node (default ``"anydevice"``, or the
+            SLURM job id).
+        max_restarts: how often to restart the workers of this node after a failure.
+        start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"`` (faster, but
+            unsafe once CUDA or ``torch._dynamo`` was loaded in this process).
+        timeout: seconds to wait for all nodes to join.
+        log_dir: keep each worker's logs and error files there (default: a temporary
+            directory, removed afterwards).
+
+    Returns:
+        ``{global_rank: return value}`` for the workers this call ran, in rank order. On one
+        node that is every rank: ``result[0]`` is rank 0's. With several nodes, each node
+        gets its own workers' values (gather across nodes inside ``fn`` with
+        ``ad.all_gather``). In place under a launcher: ``{this rank: fn(*args)}``.
+
+    Raises:
+        WorkerFailedError: a worker failed; the message names the first rank that failed
+            and carries its traceback. The other workers are stopped.
+        DistributedTimeoutError: not all nodes joined within ``timeout``.
+        DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
+            ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``).
+        DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
+    """
+    world = environment.detect()
+    if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
+        return _run_in_place(fn, args, world, nprocs)
+    chosen = _plan_here(
+        world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, start_method, timeout
+    )
+    _check_sendable(fn, args, start_method)
+    results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir)
+    return results
+
+
+def launch_script(
+    target: str,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    module: bool = False,
+    nprocs: int | str = "auto",
+    nnodes: int | str = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    timeout: float = 300.0,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> int:
+    """``anydevice launch``: run a script (or ``-m`` module) in one process per device.
+
+    Each worker is ``python -u -m anydevice.distributed.runner SCRIPT ARGS``, which runs
+    the script as ``__main__`` and records an uncaught exception for the launcher. Under a
+    launcher already (torchrun, srun with one task per GPU, mpirun) the script runs here,
+    in this process, as the rank it is. Arguments as for :func:`launch`.
+
+    Returns:
+        0 when every worker succeeded (failures raise, as in :func:`launch`).
+
+    Raises:
+        FileNotFoundError: there is no such script.
+    """
+    if not module and not os.path.isfile(target):
+        raise FileNotFoundError(f"No script {target!r} (in {os.getcwd()}).")
+    world = environment.detect()
+    if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
+        from anydevice.distributed import runner
+
+        logger.info("already %s: running %s in place", world.describe(), target)
+        runner.run(target, list(args), module=module)
+        return 0
+    chosen = _plan_here(
+        world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, "spawn", timeout
+    )
+    head = ["-u", "-m", "anydevice.distributed.runner", *(["-m"] if module else [])]
+    run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir)
+    return 0
+
+
+def resolve_nprocs(nprocs: int | str, inv: Inventory) -> int:
+    """How many processes ``nprocs`` means on the machine ``inv`` describes (pure).
+
+    >>> from anydevice.inventory import inventory
+    >>> resolve_nprocs(3, inventory(telemetry=False))
+    3
+
+    Raises:
+        DeviceNotFoundError: ``"gpu"`` on a machine without a GPU.
+        ValueError: not a positive int, ``"auto"`` or ``"gpu"``.
+    """
+    if isinstance(nprocs, bool):
+        raise ValueError(f"nprocs must be a positive int, 'auto' or 'gpu', not {nprocs!r}")
+    if isinstance(nprocs, str) and nprocs.strip().isdigit():
+        nprocs = int(nprocs)
+    if isinstance(nprocs, int):
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be at least 1 (got {nprocs}).")
+        return nprocs
+    kind = str(nprocs).strip().lower()
+    gpus = inv.of_kind("cuda") or inv.of_kind("xpu")
+    if kind == "auto":
+        return max(1, len(gpus))
+    if kind == "gpu":
+        if not gpus:
+            raise DeviceNotFoundError(
+                "nprocs='gpu' asks for one process per GPU, but no CUDA or XPU device is "
+                "visible here. Pass nprocs=N for N CPU processes, or nprocs='auto'."
+            )
+        return len(gpus)
+    raise ValueError(f"nprocs must be a positive int, 'auto' or 'gpu', not {nprocs!r}")
+
+
+def plan(
+    nprocs: int,
+    *,
+    nnodes: int | str = 1,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    start_method: str = "spawn",
+    timeout: float = 300.0,
+    cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """The agent's configuration for these arguments (pure; ``environ`` defaults to
+    ``os.environ``, ``cores`` is the number of usable CPU cores).
+
+    >>> p = plan(2)
+    >>> p.standalone, p.rdzv_endpoint, p.local_addr
+    (True, '127.0.0.1:0', '127.0.0.1')
+    >>> plan(4, nnodes="1:2", rdzv_endpoint="10.0.0.1:29400").env
+    {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
+
+    Raises:
+        DistributedError: ``nnodes > 1`` without ``rdzv_endpoint``, a malformed node range
+            or endpoint, or ``start_method`` not one of spawn, forkserver, fork.
+    """
+    env = os.environ if environ is None else environ
+    min_nodes, max_nodes = _node_range(nnodes)
+    if start_method not in ("spawn", "forkserver", "fork"):
+        raise DistributedError(
+            f"start_method={start_method!r}: use 'spawn' (default), 'forkserver' or 'fork'."
+        )
+    if max_restarts < 0:
+        raise DistributedError(f"max_restarts must be >= 0 (got {max_restarts}).")
+    if timeout <= 0:
+        raise DistributedError(f"timeout must be a positive number of seconds (got {timeout}).")
+    configs: dict[str, Any] = {"join_timeout": int(max(1, round(timeout)))}
+    local_addr: str | None
+    if max_nodes == 1 and rdzv_endpoint is None:
+        endpoint, local_addr, name = "127.0.0.1:0", "127.0.0.1", run_id or uuid.uuid4().hex
+        configs["is_host"] = True
+    else:
+        if not rdzv_endpoint:
+            raise DistributedError(
+                f"nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT': an address of the node "
+                "with node_rank=0 that every node can reach, e.g. rdzv_endpoint="
+                "'10.0.0.1:29400' (the same on every node)."
+            )
+        host = _endpoint_host(rdzv_endpoint)
+        endpoint, name = rdzv_endpoint, run_id or "anydevice"
+        # Nodes meeting on a loopback address are all on this machine: stay there.
+        local_addr = host if host in _LOOPBACK else None
+        if node_rank is not None:
+            configs["is_host"] = node_rank == 0
+    extra: dict[str, str] = {}
+    unshared = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if (max_restarts > 0 or min_nodes != max_nodes) and unshared not in env:
+        extra[unshared] = "1"
+    if nprocs > 1 and cores and "OMP_NUM_THREADS" not in env:
+        extra["OMP_NUM_THREADS"] = str(max(1, cores // nprocs))
+    return LaunchPlan(
+        nproc_per_node=nprocs,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=configs,
+        run_id=name,
+        max_restarts=max_restarts,
+        start_method=start_method,
+        local_addr=local_addr,
+        env=extra,
+    )
+
+
+def run_agent(
+    chosen: LaunchPlan,
+    entrypoint: Callable[..., Any] | str,
+    args: tuple[Any, ...] | list[Any],
+    *,
+    log_dir: str | os.PathLike[str] | None = None,
+) -> dict[int, Any]:
+    """Run torch's elastic agent with ``chosen`` and translate its failures.
+
+    ``entrypoint`` is a function, or an executable (``sys.executable`` for scripts).
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with contextlib.ExitStack() as stack:
+        root = str(log_dir) if log_dir is not None else None
+        if root is None:
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="anydevice-launch-"))
+        stack.enter_context(scoped_environ(chosen.env))
+        stack.enter_context(_scoped_signal_handlers())
+        # LaunchConfig asks torch.cuda.is_available() (for NUMA binding), which initialises
+        # the CUDA driver here and would leave forked workers without CUDA: ask NVML.
+        with scoped_environ({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
+            config = LaunchConfig(
+                min_nodes=chosen.min_nodes,
+                max_nodes=chosen.max_nodes,
+                nproc_per_node=chosen.nproc_per_node,
+                run_id=chosen.run_id,
+                rdzv_backend="c10d",
+                rdzv_endpoint=chosen.rdzv_endpoint,
+                rdzv_configs=dict(chosen.rdzv_configs),
+                max_restarts=chosen.max_restarts,
+                start_method=chosen.start_method,
+                local_addr=chosen.local_addr,
+                logs_specs=DefaultLogsSpecs(log_dir=root),
+            )
+        logger.info("launching %s", chosen.describe())
+        try:
+            out: dict[int, Any] = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            raise worker_failed(e, keep=log_dir) from e
+        except RendezvousTimeoutError as e:
+            raise DistributedTimeoutError(
+                f"Not all nodes joined within {chosen.rdzv_configs['join_timeout']} s: "
+                f"{chosen.describe()}. Start the same launch on every node, with the same "
+                f"rdzv_endpoint and run_id, and check that {chosen.rdzv_endpoint} is "
+                "reachable from each; or wait longer (timeout=, --timeout)."
+            ) from e
+        except RendezvousConnectionError as e:
+            raise DistributedError(
+                f"Cannot reach the rendezvous at {chosen.rdzv_endpoint} ({e.__cause__ or e}). "
+                "Start node_rank=0 on that host first, or fix the address and port."
+            ) from e
+        return dict(sorted(out.items()))
+
+
+@contextlib.contextmanager
+def scoped_environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set ``updates`` in ``os.environ`` for the block, then put the whole environment back
+    as it was, also on error — including what torch's launcher writes into it
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``TORCHINDUCTOR_CACHE_DIR``).
+
+    >>> with scoped_environ({"ANYDEVICE_EXAMPLE": "1"}):
+    ...     os.environ["ANYDEVICE_EXAMPLE"]
+    '1'
+    >>> "ANYDEVICE_EXAMPLE" in os.environ
+    False
+    """
+    saved = dict(os.environ)
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for k in set(os.environ) - set(saved):
+            del os.environ[k]
+        for k, v in saved.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+@contextlib.contextmanager
+def _scoped_signal_handlers() -> Iterator[None]:
+    """Put back the handlers torch's agent installs (SIGINT, SIGTERM, ...) when it is done:
+    otherwise Ctrl-C after a launch raises torch's SignalException, not KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+    saved = {s: signal.getsignal(s) for n in names if (s := getattr(signal, n, None))}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
+def _plan_here(
+    world: World,
+    nprocs: int | str,
+    nnodes: int | str,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
+    run_id: str | None,
+    max_restarts: int,
+    start_method: str,
+    timeout: float,
+) -> LaunchPlan:
+    if world.launcher == "slurm":  # one task per node: SLURM says where the nodes meet
+        nnodes, node_rank = world.nnodes, world.node_rank
+        rdzv_endpoint = rdzv_endpoint or f"{world.master_addr}:{world.master_port}"
+        run_id = run_id or world.job_id
+    inv = _inventory()
+    return plan(
+        resolve_nprocs(nprocs, inv),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        start_method=start_method,
+        timeout=timeout,
+        cores=inv.host.cores_usable,
+    )
+
+
+def _inventory() -> Inventory:
+    from anydevice.inventory import inventory
+
+    return inventory(telemetry=False, kinds=("cuda", "xpu", "cpu"))
+
+
+def _node_range(nnodes: int | str) -> tuple[int, int]:
+    text = str(nnodes).strip()
+    lo, sep, hi = text.partition(":")
+    if not lo.isdigit() or (sep and not hi.isdigit()):
+        raise DistributedError(f"nnodes={nnodes!r}: write a number of nodes, or 'MIN:MAX'.")
+    low, high = int(lo), int(hi if sep else lo)
+    if not 1 <= low <= high:
+        raise DistributedError(f"nnodes={nnodes!r}: need 1 <= MIN <= MAX.")
+    return low, high
+
+
+def _endpoint_host(endpoint: str) -> str:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise DistributedError(
+            f"rdzv_endpoint={endpoint!r}: write HOST:PORT, e.g. '10.0.0.1:29400'."
+        )
+    return host
+
+
+def _is_slurm_node_launcher(world: World, nprocs: int | str) -> bool:
+    """Under ``srun`` with one task per node, each task launches the node's workers."""
+    if world.launcher != "slurm" or world.local_world_size != 1:
+        return False
+    return resolve_nprocs(nprocs, _inventory()) > 1
+
+
+def _run_in_place(
+    fn: Callable[..., T], args: tuple[Any, ...], world: World, nprocs: object
+) -> dict[int, T]:
+    if isinstance(nprocs, int) and nprocs != world.local_world_size:
+        logger.warning(
+            "ad.launch(nprocs=%d): this process is already %s, started by %s with %d "
+            "process(es) on this node; running the function here instead of launching.",
+            nprocs,
+            world.describe(),
+            world.launcher,
+            world.local_world_size,
+        )
+    else:
+        logger.info("already %s: running the function in place", world.describe())
+    if world.launcher == "torchelastic":
+        # Leave the traceback in the outer agent's error file, as a launched worker would.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        value = record(fn)(*args)
+    else:
+        value = fn(*args)
+    return {world.rank: value}  # type: ignore[dict-item]  # record's Optional is for exit(0)
+
+
+def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:
+    if start_method == "fork":
+        from anydevice.backends.cuda import driver_initialized
+
+        if driver_initialized():
+            raise DistributedError(
+                "CUDA is already initialised in this process, so forked workers cannot use "
+                "it (and may hang). Use start_method='spawn' (the default)."
+            )
+        return
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise DistributedError(
+            f"{getattr(fn, '__qualname__', fn)!r} is defined in an interactive session, which "
+            f"{start_method}ed workers cannot import. Move it into a module, or use "
+            "start_method='fork' (safe only before CUDA is used in this process)."
+        )
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:
+        raise DistributedError(
+            f"Cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to "
+            f"{start_method}ed workers: {type(e).__name__}: {e}. Define the function at module "
+            "level (not a lambda or a nested function) and pass picklable arguments, or use "
+            "start_method='fork'."
+        ) from e

@@ -1,0 +1,388 @@
+"""Data parallelism — ``ad.prepare(model, loader, optimizer)``: place, wrap, shard.
+
+It returns torch's own objects, never wrappers of ours: the model on this rank's device —
+inside torch's ``DistributedDataParallel`` when the world has more than one rank, inside
+``nn.DataParallel`` for ``strategy="dp"``, as it is in a world of one — a ``DataLoader``
+rebuilt around a ``DistributedSampler`` (every setting of the original kept), and the
+same optimizer with its state moved along. ``ad.unwrap(model)`` gives the user's module back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from anydevice import selection
+from anydevice.distributed import environment
+from anydevice.distributed.context import rank_device
+from anydevice.errors import DistributedError
+from anydevice.selection import DeviceLike
+
+__all__ = [
+    "ReshufflingSampler",
+    "device_loader",
+    "distributed_loader",
+    "prepare",
+    "unwrap",
+]
+
+logger = logging.getLogger("anydevice")
+
+T_co = TypeVar("T_co", covariant=True)
+_STRATEGIES = ("auto", "ddp", "dp", "none")
+
+
+class ReshufflingSampler(DistributedSampler[T_co]):
+    """A ``DistributedSampler`` that moves to the next epoch each time it is iterated.
+
+    A plain ``DistributedSampler`` deals the same permutation every epoch unless
+    ``set_epoch(epoch)`` is called before each one — an easy call to forget. This one
+    advances by itself; calling ``set_epoch`` still works (it sets the epoch the next
+    iteration uses), so code written for torch's sampler behaves the same. Every rank
+    iterates once per epoch, so all ranks stay on the same permutation.
+
+    >>> s = ReshufflingSampler(range(8), num_replicas=2, rank=0, shuffle=True)
+    >>> list(s) != list(s)
+    True
+    """
+
+    def __iter__(self) -> Iterator[T_co]:
+        indices = super().__iter__()  # torch computes the whole permutation here
+        self.epoch += 1
+        return indices
+
+
+@overload
+def prepare(
+    model: nn.Module, *, strategy: str = ..., device: DeviceLike | None = ..., **kwargs: Any
+) -> nn.Module: ...
+@overload
+def prepare(
+    model: nn.Module,
+    loader: DataLoader[Any],
+    *,
+    strategy: str = ...,
+    device: DeviceLike | None = ...,
+    **kwargs: Any,
+) -> tuple[nn.Module, DataLoader[Any]]: ...
+@overload
+def prepare(
+    model: nn.Module,
+    loader: DataLoader[Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    strategy: str = ...,
+    device: DeviceLike | None = ...,
+    **kwargs: Any,
+) -> tuple[nn.Module, DataLoader[Any], torch.optim.Optimizer]: ...
+@overload
+def prepare(
+    model: nn.Module,
+    loader: None = ...,
+    *,
+    optimizer: torch.optim.Optimizer,
+    strategy: str = ...,
+    device: DeviceLike | None = ...,
+    **kwargs: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+def prepare(
+    model: nn.Module,
+    loader: DataLoader[Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strategy: str = "auto",
+    device: DeviceLike | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Put the model on this rank's device, wrap it for data parallelism, shard the loader.
+
+    >>> import anydevice as ad
+    >>> net = torch.nn.Linear(4, 2)
+    >>> with ad.distributed() as d:          # a world of one here
+    ...     model = ad.prepare(net)
+    >>> model is net                         # nothing to wrap in a world of one
+    True
+
+    Under a launcher with ``N`` ranks the same lines give a ``DistributedDataParallel``
+    (``device_ids=[i]`` on GPU ``i``; ``None`` on the CPU, where torch refuses ids) and a
+    loader whose sampler gives each rank ``ceil(len(dataset) / N)`` samples. The batch
+    size stays per process, so the global batch is ``N`` times larger. The sampler pads
+    the dataset by repeating its first samples so every rank gets as many batches (ranks
+    with fewer batches would hang in DDP); use ``ad.gather_for_metrics`` to drop the
+    repeats when evaluating. If your own data is uneven across ranks, train inside
+    ``with model.join():`` (torch's ``DDP.join``).
+
+    Args:
+        model: the user's module.
+        loader: a ``DataLoader`` to shard. Its dataset, batch size, shuffle, workers,
+            collate_fn, pin_memory, drop_last, timeout, worker_init_fn, generator,
+            prefetch_factor, persistent_workers and multiprocessing context are kept.
+        optimizer: its state (momentum, Adam moments) moves to the model's device.
+        strategy: ``"auto"`` (DDP when the world has several ranks, else nothing);
+            ``"ddp"`` (DDP whenever a process group exists, even of one rank);
+            ``"dp"`` (``nn.DataParallel`` over every visible GPU in this one process —
+            slower than DDP: one Python thread drives all GPUs and the module is
+            replicated on every step; on the CPU torch's DataParallel silently just calls
+            the module, so anydevice warns and returns the model unwrapped);
+            ``"none"`` (place only).
+        device: the device to use (default: this rank's, as ``ad.distributed`` picks it).
+        kwargs: passed to torch's wrapper, e.g. ``find_unused_parameters=True``.
+
+    Returns:
+        The arguments given, in order: ``model``; ``(model, loader)``;
+        ``(model, loader, optimizer)``; or ``(model, optimizer)``.
+
+    Raises:
+        DistributedError: ``WORLD_SIZE > 1`` but no process group (call it inside ``with
+            ad.distributed():``); a loader that cannot be sharded (an ``IterableDataset``,
+            a custom sampler or batch sampler); ``"dp"`` with several processes; an
+            optimizer that holds parameters the model does not have.
+        ValueError: an unknown strategy.
+    """
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: use one of {', '.join(_STRATEGIES)}.")
+    rank, size, dev = _where(device)
+    module = _place(model, dev)
+    if optimizer is not None:
+        _move_optimizer(optimizer, model)
+    wrapped = _wrap(module, strategy, size, dev, kwargs)
+    out: list[Any] = [wrapped]
+    if loader is not None:
+        out.append(device_loader(distributed_loader(loader, size, rank), dev))
+    if optimizer is not None:
+        out.append(optimizer)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside torch's wrappers (DDP, DataParallel, ``torch.compile``).
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> unwrap(torch.nn.DataParallel(net)) is net
+    True
+    """
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+            continue
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        return model
+
+
+def distributed_loader(
+    loader: DataLoader[Any], num_replicas: int, rank: int, *, seed: int = 0
+) -> DataLoader[Any]:
+    """``loader`` rebuilt to give this rank its share, or ``loader`` itself when there is
+    nothing to share (one replica, or already sharded this way).
+
+    >>> from torch.utils.data import DataLoader
+    >>> shard = distributed_loader(DataLoader(range(10), batch_size=2, shuffle=True), 4, 1)
+    >>> type(shard.sampler).__name__, shard.sampler.shuffle, len(shard.sampler)
+    ('ReshufflingSampler', True, 3)
+
+    Raises:
+        DistributedError: the loader cannot be sharded by a ``DistributedSampler``.
+    """
+    if num_replicas == 1:
+        return loader
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler):
+        if sampler.num_replicas == num_replicas and sampler.rank == rank:
+            return loader
+        raise DistributedError(
+            f"The loader's DistributedSampler is for rank {sampler.rank} of "
+            f"{sampler.num_replicas}, but this is rank {rank} of {num_replicas}. Pass the "
+            "loader with its original sampler and let ad.prepare shard it."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise DistributedError(
+            f"The loader reads an IterableDataset ({type(loader.dataset).__name__}), which a "
+            "sampler cannot split. Shard it inside the dataset: skip items by d.rank and "
+            "d.world_size (and by torch.utils.data.get_worker_info() for workers)."
+        )
+    if loader.batch_size is None and loader.batch_sampler is not None:
+        raise DistributedError(
+            f"The loader uses its own batch_sampler ({type(loader.batch_sampler).__name__}), "
+            "which ad.prepare cannot split without changing its batches. Make it take "
+            "num_replicas and rank, or build the loader with batch_size and shuffle."
+        )
+    if isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            raise DistributedError(
+                "The loader's RandomSampler draws with replacement or a fixed num_samples, "
+                "which DistributedSampler cannot reproduce. Build the loader with "
+                "shuffle=True instead, or shard the dataset yourself."
+            )
+        shuffle = True
+    elif isinstance(sampler, SequentialSampler):
+        shuffle = False
+    else:
+        raise DistributedError(
+            f"The loader's sampler is a {type(sampler).__name__}; ad.prepare can only shard "
+            "shuffle=True / shuffle=False loaders. Write a sampler that takes num_replicas "
+            "and rank (for weighted sampling, draw with a generator seeded the same on "
+            "every rank and keep every num_replicas-th index)."
+        )
+    new_sampler: ReshufflingSampler[Any] = ReshufflingSampler(
+        loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
+    )
+    options = _loader_options(loader)
+    try:
+        return type(loader)(loader.dataset, sampler=new_sampler, **options)
+    except TypeError as e:
+        raise DistributedError(
+            f"Cannot rebuild {type(loader).__name__} with a DistributedSampler: {e}. Pass a "
+            "torch.utils.data.DataLoader, or give it a DistributedSampler yourself."
+        ) from e
+
+
+def device_loader(loader: DataLoader[Any], device: torch.device) -> DataLoader[Any]:
+    """The step that delivers ``loader``'s batches on ``device``.
+
+    This is where anydevice's DeviceLoader (pinned, non-blocking copies prefetched on a
+    side stream, ``set_epoch`` reaching the sampler) will wrap the loader. Until then the
+    loader is returned as it is: batches arrive as the DataLoader yields them, and the
+    training loop moves them (``x.to(d.device, non_blocking=True)``).
+    """
+    return loader
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+def _where(device: DeviceLike | None) -> tuple[int, int, torch.device]:
+    """(rank, world size, device) of this process."""
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+        if device is not None:
+            return rank, size, selection.device(device)
+        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+            return rank, size, torch.device("cuda", torch.cuda.current_device())
+        world = environment.detect()
+        local = world.local_rank if world.world_size == size else 0
+        return rank, size, rank_device("auto", local)
+    world = environment.detect()
+    if world.world_size > 1:
+        raise DistributedError(
+            f"ad.prepare: this process is {world.describe()}, but no process group exists, "
+            "so each rank would train its own copy. Call it inside `with ad.distributed():`."
+        )
+    return 0, 1, rank_device(device if device is not None else "auto", 0)
+
+
+def _place(model: nn.Module, dev: torch.device) -> nn.Module:
+    inner = unwrap(model)
+    placed = {t.device for t in (*inner.parameters(), *inner.buffers())}
+    if len(placed) > 1:
+        spans = sorted(map(str, placed))
+        logger.info("prepare: the model spans %s; leaving its placement alone", spans)
+        return model
+    return model.to(dev)
+
+
+def _wrap(
+    model: nn.Module, strategy: str, size: int, dev: torch.device, kwargs: dict[str, Any]
+) -> nn.Module:
+    if isinstance(model, (DistributedDataParallel, DataParallel)) or strategy == "none":
+        return model
+    if strategy == "dp":
+        return _data_parallel(model, size, dev, kwargs)
+    grouped = dist.is_available() and dist.is_initialized()
+    if size == 1 and not (strategy == "ddp" and grouped):
+        return model
+    devices = {p.device for p in model.parameters()}
+    single_gpu = len(devices) == 1 and dev.type in ("cuda", "xpu")
+    ids = [_index(dev)] if single_gpu else None  # torch refuses device_ids for CPU modules
+    return DistributedDataParallel(model, device_ids=ids, **kwargs)
+
+
+def _data_parallel(
+    model: nn.Module, size: int, dev: torch.device, kwargs: dict[str, Any]
+) -> nn.Module:
+    if size > 1:
+        raise DistributedError(
+            f"strategy='dp' runs one process that drives every GPU, but this is one of {size} "
+            "processes. Use strategy='auto' (DistributedDataParallel) under a launcher."
+        )
+    if dev.type != "cuda":
+        warnings.warn(
+            f"strategy='dp': nn.DataParallel needs CUDA GPUs, and the model is on {dev}. "
+            "torch's DataParallel would silently just call the module there (no "
+            "parallelism, and a 'module.' prefix in state_dict), so the model is returned "
+            "unwrapped.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return model
+    ids = [i for i in (d.index for d in selection.devices("cuda")) if i is not None]
+    first = _index(dev)
+    ids = [first, *(i for i in ids if i != first)]
+    return DataParallel(model, device_ids=ids, output_device=first, **kwargs)
+
+
+def _move_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    owned = {id(p) for p in model.parameters()}
+    foreign = [
+        tuple(p.shape)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if id(p) not in owned
+    ]
+    if foreign:
+        raise DistributedError(
+            f"The optimizer holds {len(foreign)} parameter(s) the model does not have "
+            f"(shapes {foreign[:4]}{'...' if len(foreign) > 4 else ''}): it was made for "
+            "another model, so training would not update this one. Create it from "
+            "model.parameters() of the model passed to ad.prepare."
+        )
+    for group in optimizer.param_groups:
+        keep_step = not (group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and not (key == "step" and keep_step):
+                    state[key] = value.to(p.device)
+
+
+def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+    accepted = set(inspect.signature(DataLoader.__init__).parameters)
+    options = {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "prefetch_factor": loader.prefetch_factor,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": getattr(loader, "pin_memory_device", ""),
+        "in_order": getattr(loader, "in_order", True),
+    }
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else 0

@@ -1,0 +1,125 @@
+"""Real multi-process worlds for tests, bounded in time, leaving no process behind.
+
+``run_ranks`` forks one process per rank; they meet through a ``file://`` rendezvous in
+the test's temporary directory (no port, nothing listening) and form a real gloo process
+group through ``ad.distributed(init_method=...)``. Forking costs ~0.1 s where a fresh
+interpreter costs seconds (importing torch). Each rank writes its result, or its
+traceback, to a file; a rank that does not finish in time is killed and fails the test.
+
+``process_tree_guard`` is the fixture-side check that a test left no child running.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+#: Helper processes Python keeps for the life of the parent; not leftovers of a test.
+_KEPT = ("resource_tracker", "forkserver")
+
+
+def run_ranks(
+    fn: Callable[[str], Any],
+    world_size: int,
+    tmp_path: Path,
+    *,
+    timeout: float = 60.0,
+    ranks: Iterable[int] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(init_method)`` as each rank of a world of ``world_size`` forked processes.
+
+    Each child gets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (plus ``env``) in
+    its own environment, as a launcher would set them, and ``ANYDEVICE_DEVICE=cpu``: these
+    are CPU worlds (gloo) on any machine, and a forked child could not use CUDA anyway.
+    ``ranks`` starts only some of them (to leave a peer missing); then only their results
+    come back.
+    """
+    started = list(range(world_size) if ranks is None else ranks)
+    rdzv = f"file://{tmp_path / 'rdzv'}"
+    ctx = mp.get_context("fork")
+    procs = []
+    for rank in started:
+        out = tmp_path / f"rank{rank}.pickle"
+        variables = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "ANYDEVICE_DEVICE": "cpu",
+            **(env or {}),
+        }
+        p = ctx.Process(target=_child, args=(fn, rdzv, variables, out))
+        p.start()
+        procs.append((rank, p, out))
+    deadline = time.monotonic() + timeout
+    for _, p, _ in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p, _ in procs if p.is_alive()]
+    for _, p, _ in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    if hung:
+        raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s (killed)")
+    results = []
+    for rank, p, out in procs:
+        if not out.exists():
+            raise AssertionError(f"rank {rank} died without a result (exit code {p.exitcode})")
+        status, value = pickle.loads(out.read_bytes())
+        if status != "ok":
+            raise AssertionError(f"rank {rank} failed:\n{value}")
+        results.append(value)
+    return results
+
+
+def _child(fn: Callable[[str], Any], rdzv: str, env: dict[str, str], out: Path) -> None:
+    code = 0
+    try:
+        os.environ.update(env)  # this child's own environment, as a launcher gives it
+        result: tuple[str, Any] = ("ok", fn(rdzv))
+    except BaseException:
+        result, code = ("error", traceback.format_exc()), 1
+    out.write_bytes(pickle.dumps(result))
+    os._exit(code)  # skip the parent's atexit handlers and pytest's finalizers
+
+
+def children() -> set[int]:
+    """PIDs of this process's descendants, Python's own helper processes excluded."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        if not any(k in cmdline for k in _KEPT):
+            found.add(child.pid)
+    return found
+
+
+@contextmanager
+def process_tree_guard(grace: float = 15.0) -> Iterator[None]:
+    """Fail if the block leaves a child process running (after ``grace`` seconds to exit);
+    kill what is left so the next test starts clean."""
+    before = children()
+    yield
+    deadline = time.monotonic() + grace
+    left = children() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = children() - before
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes left behind: {sorted(left)}"

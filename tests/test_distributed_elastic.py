@@ -1,0 +1,326 @@
+"""``ad.launch``: its configuration (pure), and real launches through torch's elastic agent.
+
+The end-to-end tests spawn real worker processes (each imports torch: seconds apiece), so
+there are few of them and one launch serves several tests. Every test runs under a guard
+that fails it if a process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import pickle
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+import anydevice as ad
+import workers
+from anydevice.distributed.elastic import plan, resolve_nprocs, scoped_environ
+from machines import gpu, machine
+from ranks import process_tree_guard
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    with process_tree_guard():
+        yield
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- nprocs
+
+
+def test_nprocs_auto_is_one_per_gpu_else_one():
+    assert resolve_nprocs("auto", machine(gpu(0), gpu(1), gpu(2))) == 3
+    assert resolve_nprocs("auto", machine()) == 1
+
+
+def test_nprocs_gpu_without_a_gpu_says_what_to_do():
+    with pytest.raises(ad.DeviceNotFoundError, match="nprocs=N"):
+        resolve_nprocs("gpu", machine())
+    assert resolve_nprocs("gpu", machine(gpu(0), gpu(1))) == 2
+
+
+@pytest.mark.parametrize("bad", [0, -2, "many", True])
+def test_nprocs_rejects_what_is_not_a_count(bad):
+    with pytest.raises(ValueError, match="nprocs"):
+        resolve_nprocs(bad, machine())
+
+
+def test_nprocs_accepts_digits_from_the_command_line():
+    assert resolve_nprocs("4", machine()) == 4
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_standalone_binds_loopback_on_a_port_the_os_picks():
+    p = plan(2, cores=8, environ={})
+    assert p.standalone
+    assert (p.min_nodes, p.max_nodes) == (1, 1)
+    assert p.rdzv_endpoint == "127.0.0.1:0"
+    assert p.local_addr == "127.0.0.1"
+    assert p.rdzv_configs["is_host"] is True
+
+
+def test_standalone_runs_get_distinct_run_ids():
+    assert plan(2, environ={}).run_id != plan(2, environ={}).run_id
+
+
+def test_join_timeout_bounds_the_rendezvous():
+    assert plan(1, timeout=7.4, environ={}).rdzv_configs["join_timeout"] == 7
+
+
+def test_several_nodes_need_an_endpoint():
+    with pytest.raises(ad.DistributedError, match="rdzv_endpoint='HOST:PORT'"):
+        plan(1, nnodes=2, environ={})
+
+
+def test_node_rank_zero_hosts_the_store_and_others_do_not():
+    host = plan(1, nnodes=2, node_rank=0, rdzv_endpoint="10.1.2.3:29400", environ={})
+    other = plan(1, nnodes=2, node_rank=1, rdzv_endpoint="10.1.2.3:29400", environ={})
+    assert host.rdzv_configs["is_host"] is True
+    assert other.rdzv_configs["is_host"] is False
+    assert host.run_id == other.run_id  # every node must agree without talking
+    assert host.local_addr is None  # a real network: the hostname is looked up
+
+
+def test_loopback_endpoint_keeps_every_node_on_loopback():
+    assert plan(1, nnodes=2, rdzv_endpoint="127.0.0.1:5000", environ={}).local_addr == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "unshared"),
+    [
+        ({}, False),
+        ({"max_restarts": 1}, True),
+        ({"nnodes": "1:2", "rdzv_endpoint": "h:1"}, True),
+    ],
+)
+def test_restarts_and_elastic_ranges_unshare_the_rendezvous_store(kwargs, unshared):
+    p = plan(2, environ={}, **kwargs)
+    assert (p.env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1") is unshared
+
+
+def test_user_setting_of_the_store_variable_is_respected():
+    p = plan(2, max_restarts=2, environ={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in p.env
+
+
+def test_workers_share_the_cores_unless_omp_threads_is_set():
+    assert plan(3, cores=12, environ={}).env["OMP_NUM_THREADS"] == "4"
+    assert plan(4, cores=2, environ={}).env["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in plan(1, cores=12, environ={}).env
+    assert "OMP_NUM_THREADS" not in plan(3, cores=12, environ={"OMP_NUM_THREADS": "2"}).env
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nnodes": "2:1", "rdzv_endpoint": "h:1"}, "MIN <= MAX"),
+        ({"nnodes": "two", "rdzv_endpoint": "h:1"}, "MIN:MAX"),
+        ({"nnodes": 2, "rdzv_endpoint": "no-port"}, "HOST:PORT"),
+        ({"start_method": "thread"}, "spawn"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"timeout": 0}, "timeout"),
+    ],
+)
+def test_plan_rejects_bad_arguments_with_the_fix(kwargs, match):
+    with pytest.raises(ad.DistributedError, match=match):
+        plan(1, environ={}, **kwargs)
+
+
+def test_scoped_environ_restores_everything_also_on_error():
+    def launch_that_fails():
+        with scoped_environ({"ANYDEVICE_TEST_KEEP": "during"}):
+            os.environ["ANYDEVICE_TEST_NEW"] = "written by the launch"
+            raise KeyError("boom")
+
+    os.environ["ANYDEVICE_TEST_KEEP"] = "before"
+    try:
+        with pytest.raises(KeyError):
+            launch_that_fails()
+        assert os.environ["ANYDEVICE_TEST_KEEP"] == "before"
+        assert "ANYDEVICE_TEST_NEW" not in os.environ
+    finally:
+        del os.environ["ANYDEVICE_TEST_KEEP"]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_spawn_refuses_a_function_workers_cannot_import():
+    with pytest.raises(ad.DistributedError, match="module level"):
+        ad.launch(lambda: 1, nprocs=2)
+
+
+def test_spawn_refuses_arguments_that_cannot_be_pickled():
+    with pytest.raises(ad.DistributedError, match="picklable"):
+        ad.launch(workers.fail_on, (x for x in range(3)), nprocs=2)
+
+
+# ----------------------------------------------------------------------------- in place
+
+
+def test_inside_a_launched_world_the_function_runs_here(monkeypatch):
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    before = ad.launch(os.getpid, nprocs=2)
+    assert before == {1: os.getpid()}  # nothing spawned: this process, as rank 1
+
+
+def test_in_place_under_torchelastic_leaves_the_traceback_for_the_outer_agent(
+    monkeypatch, tmp_path
+):
+    error_file = tmp_path / "error.json"
+    env = {
+        "TORCHELASTIC_RUN_ID": "outer", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "TORCHELASTIC_ERROR_FILE": str(error_file),
+    }  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ZeroDivisionError):
+        ad.launch(operator.truediv, 1, 0)  # runs here, as rank 0 of the outer world
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"].startswith("ZeroDivisionError")
+    assert "ZeroDivisionError" in recorded["extraInfo"]["py_callstack"]
+
+
+# ----------------------------------------------------------------------------- real launches
+
+
+@pytest.fixture(scope="module")
+def ddp_run():
+    """Two spawned workers train with DDP through ad.launch (the default start method)."""
+    steps, lr = 5, 0.2
+    env_before = dict(os.environ)
+    with process_tree_guard():
+        results = ad.launch(workers.ddp_steps, steps, lr, nprocs=2, timeout=60)
+        env_after = dict(os.environ)
+    return {"results": results, "steps": steps, "lr": lr, "env": (env_before, env_after)}
+
+
+@pytest.mark.slow
+def test_launch_returns_each_ranks_value_by_global_rank(ddp_run):
+    results = ddp_run["results"]
+    assert list(results) == [0, 1]
+    assert [r["rank"] for r in results.values()] == [0, 1]
+    assert {r["world_size"] for r in results.values()} == {2}
+    assert len({r["pid"] for r in results.values()} | {os.getpid()}) == 3
+
+
+@pytest.mark.slow
+def test_launched_workers_form_a_gloo_group_with_ddp_on_cpu(ddp_run):
+    for r in ddp_run["results"].values():
+        assert (r["launcher"], r["backend"], r["device"]) == ("torchelastic", "gloo", "cpu")
+        assert r["wrapper"] == "DistributedDataParallel"
+        assert r["unwrapped_is_user_module"]
+
+
+@pytest.mark.slow
+def test_launched_workers_split_the_cores(ddp_run):
+    cores = ad.inventory(telemetry=False).host.cores_usable
+    expected = ddp_run["env"][0].get("OMP_NUM_THREADS") or str(max(1, cores // 2))
+    assert {r["omp_threads"] for r in ddp_run["results"].values()} == {expected}
+
+
+@pytest.mark.slow
+def test_launch_leaves_this_process_environment_as_it_was(ddp_run):
+    before, after = ddp_run["env"]
+    assert after == before
+
+
+@pytest.mark.slow
+def test_ddp_parameters_are_identical_on_every_rank(ddp_run):
+    p0, p1 = (r["params"] for r in ddp_run["results"].values())
+    assert p0.keys() == p1.keys()
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+
+
+@pytest.mark.slow
+def test_ddp_matches_one_process_training_on_the_concatenated_batch(ddp_run):
+    steps, lr = ddp_run["steps"], ddp_run["lr"]
+    net = workers.model(seed=0)  # DDP starts every rank from rank 0's weights
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y = workers.batches(steps, world_size=2)
+    for s in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[s]), y[s]).backward()
+        optimizer.step()
+    trained = ddp_run["results"][0]["params"]
+    untrained = workers.model(seed=0).state_dict()
+    for k, v in net.state_dict().items():
+        assert not torch.allclose(v, untrained[k])  # training moved them
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
+    t = time.perf_counter()
+    with pytest.raises(ad.WorkerFailedError) as info:
+        # Rank 1 raises, then lingers: rank 0 fails on the closed connection and is seen
+        # first, and rank 1 is stopped before its @record runs. Rank 1 is still the cause.
+        ad.launch(workers.fail_on, 1, 20.0, nprocs=2, timeout=60)
+    elapsed = time.perf_counter() - t
+    err = info.value
+    assert err.rank == 1
+    assert err.exitcode == 1
+    assert "ValueError: injected failure on rank 1" in err.traceback
+    assert "workers.py" in err.traceback  # the worker's own frame, not the launcher's
+    assert str(err).startswith("Rank 1 ")
+    assert "injected failure on rank 1" in str(err)
+    assert "rank(s) 0" in str(err)  # the bystander is named as such
+    assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_worker_failed_error_survives_pickling():
+    err = ad.WorkerFailedError("Rank 3 failed", rank=3, exitcode=-9, failures={3: -9, 1: -15})
+    back = pickle.loads(pickle.dumps(err))
+    assert (str(back), back.rank, back.exitcode, back.failures) == (
+        "Rank 3 failed",
+        3,
+        -9,
+        {3: -9, 1: -15},
+    )
+
+
+@pytest.mark.slow
+def test_a_missing_node_times_out_within_the_configured_time():
+    t = time.perf_counter()
+    with pytest.raises(ad.DistributedTimeoutError, match="Not all nodes joined within 3 s"):
+        ad.launch(
+            workers.fail_on,
+            0,
+            nprocs=1,
+            nnodes=2,
+            node_rank=0,
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            timeout=3,
+        )
+    elapsed = time.perf_counter() - t
+    assert 3 <= elapsed < 30, elapsed
+    assert isinstance(ad.DistributedTimeoutError("x"), TimeoutError)
+
+
+@pytest.mark.slow
+def test_fork_start_method_launches_from_this_process():
+    assert ad.launch(operator.mul, 6, 7, nprocs=2, start_method="fork") == {0: 42, 1: 42}
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_a_worker_that_fails_once():
+    results = ad.launch(workers.fail_first_attempt, nprocs=2, max_restarts=1, timeout=60)
+    assert results == {0: (0, 1), 1: (1, 1)}  # both ranks finished, on the second attempt

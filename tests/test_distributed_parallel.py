@@ -1,0 +1,270 @@
+"""``ad.prepare`` / ``ad.unwrap`` and the loader rebuilt around a DistributedSampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+    WeightedRandomSampler,
+    default_collate,
+)
+
+import anydevice as ad
+from anydevice.distributed.parallel import ReshufflingSampler, distributed_loader
+from ranks import process_tree_guard, run_ranks
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    with process_tree_guard():
+        yield
+
+
+def pairs(batch):
+    """A collate_fn the rebuilt loader must keep."""
+    return ("custom", default_collate(batch))
+
+
+def seed_worker(worker_id: int) -> None:
+    torch.manual_seed(worker_id)
+
+
+# ----------------------------------------------------------------------------- world of one
+
+
+def test_world_of_one_returns_the_users_own_objects():
+    net = nn.Linear(3, 1)
+    loader = DataLoader(range(8), batch_size=2, shuffle=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, same_loader, same_opt = ad.prepare(net, loader, opt)
+    assert model is net and same_loader is loader and same_opt is opt
+
+
+def test_return_shape_follows_the_arguments():
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    assert ad.prepare(net) is net
+    assert ad.prepare(net, optimizer=opt) == (net, opt)
+    loader = DataLoader(range(4))
+    assert ad.prepare(net, loader) == (net, loader)
+
+
+def test_unknown_strategy_is_named():
+    with pytest.raises(ValueError, match="strategy='fsdp'"):
+        ad.prepare(nn.Linear(1, 1), strategy="fsdp")
+
+
+def test_dataparallel_on_cpu_warns_and_does_not_wrap():
+    net = nn.Linear(3, 1)
+    with pytest.warns(RuntimeWarning, match="silently just call the module"):
+        model = ad.prepare(net, strategy="dp", device="cpu")
+    assert model is net
+
+
+def test_optimizer_for_another_model_is_refused():
+    other = torch.optim.SGD(nn.Linear(3, 5).parameters(), lr=0.1)
+    with pytest.raises(ad.DistributedError, match="made for another model"):
+        ad.prepare(nn.Linear(3, 1), optimizer=other)
+
+
+def test_prepare_outside_the_group_of_a_launched_world_is_refused(monkeypatch):
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ad.DistributedError, match="each rank would train its own copy"):
+        ad.prepare(nn.Linear(2, 2))
+
+
+def test_unwrap_returns_the_user_module_through_wrappers():
+    net = nn.Linear(2, 2)
+    assert ad.unwrap(net) is net
+    assert ad.unwrap(DataParallel(net)) is net  # pass-through on the CPU, still a wrapper
+    assert ad.unwrap(torch.compile(DataParallel(net))) is net
+
+
+# ----------------------------------------------------------------------------- loaders
+
+
+def test_rebuilt_loader_keeps_every_setting():
+    generator = torch.Generator().manual_seed(5)
+    loader = DataLoader(
+        TensorDataset(torch.arange(20.0)),
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=pairs,
+        pin_memory=False,
+        drop_last=True,
+        timeout=30,
+        worker_init_fn=seed_worker,
+        generator=generator,
+        prefetch_factor=3,
+        persistent_workers=True,
+    )
+    shard = distributed_loader(loader, num_replicas=2, rank=1)
+    assert isinstance(shard.sampler, DistributedSampler)
+    assert (shard.sampler.num_replicas, shard.sampler.rank, shard.sampler.shuffle) == (2, 1, True)
+    for name in (
+        "dataset", "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last",
+        "timeout", "worker_init_fn", "generator", "prefetch_factor", "persistent_workers",
+    ):  # fmt: skip
+        assert getattr(shard, name) is getattr(loader, name), name
+    batches = list(shard)  # real worker processes
+    assert all(tag == "custom" for tag, _ in batches)
+    assert len(batches) == 10 // 3  # 10 samples for this rank; the last partial batch dropped
+
+
+def test_unshuffled_loader_stays_in_order_per_rank():
+    shard = distributed_loader(DataLoader(range(10), batch_size=4), num_replicas=3, rank=2)
+    assert not shard.sampler.shuffle
+    assert torch.cat(list(shard)).tolist() == [2, 5, 8, 1]  # 8 padded by repeating sample 1
+
+
+def test_one_replica_or_a_loader_already_sharded_for_this_rank_is_kept():
+    loader = DataLoader(range(10))
+    assert distributed_loader(loader, 1, 0) is loader
+    sharded = DataLoader(range(10), sampler=DistributedSampler(range(10), 2, 1))
+    assert distributed_loader(sharded, 2, 1) is sharded
+    with pytest.raises(ad.DistributedError, match="for rank 1 of 2, but this is rank 0 of 4"):
+        distributed_loader(sharded, 4, 0)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+@pytest.mark.parametrize(
+    ("loader", "match"),
+    [
+        (DataLoader(Stream()), "IterableDataset"),
+        (DataLoader(range(8), sampler=WeightedRandomSampler([1.0] * 8, 8)), "WeightedRandom"),
+        (DataLoader(range(8), batch_sampler=[[0, 1], [2, 3]]), "batch_sampler"),
+        (
+            DataLoader(range(8), sampler=torch.utils.data.RandomSampler(range(8), True)),
+            "replacement",
+        ),
+    ],
+)
+def test_loaders_that_cannot_be_sharded_say_why(loader, match):
+    with pytest.raises(ad.DistributedError, match=match):
+        distributed_loader(loader, 2, 0)
+
+
+def test_sampler_reshuffles_each_epoch_without_set_epoch_and_ranks_agree():
+    rank0 = ReshufflingSampler(range(12), num_replicas=2, rank=0, shuffle=True, seed=3)
+    rank1 = ReshufflingSampler(range(12), num_replicas=2, rank=1, shuffle=True, seed=3)
+    epochs = [(list(rank0), list(rank1)) for _ in range(3)]
+    for a, b in epochs:
+        assert sorted(a + b) == list(range(12))  # each epoch: the ranks split the data
+    assert len({tuple(a) for a, _ in epochs}) == 3  # and the order changes every epoch
+    plain = DistributedSampler(range(12), num_replicas=2, rank=0, shuffle=True, seed=3)
+    plain.set_epoch(1)
+    rank0.set_epoch(1)  # set_epoch still chooses the epoch, as with torch's sampler
+    assert list(rank0) == list(plain) == epochs[1][0]
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def test_two_ranks_get_ddp_without_device_ids_on_cpu_and_a_sharded_loader(tmp_path):
+    def rank(init_method):
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            return inspect_ddp(d)
+
+    for r, facts in enumerate(run_ranks(rank, 2, tmp_path)):
+        assert facts["type"] == "DistributedDataParallel"
+        assert facts["device_ids"] is None
+        assert facts["unwrapped"]
+        assert facts["optimizer_same"]
+        assert facts["again_same"]  # preparing a prepared model leaves it alone
+        assert (facts["sampler"], facts["rank"], facts["replicas"]) == ("ReshufflingSampler", r, 2)
+        assert facts["batches"] == [[r, r + 2], [r + 4, r + 6]]
+
+
+def inspect_ddp(d):
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = DataLoader(range(8), batch_size=2)
+    model, shard, same_opt = ad.prepare(net, loader, opt)
+    again = ad.prepare(model)
+    return {  # the DDP model dies on return, before the group is destroyed
+        "type": type(model).__name__,
+        "device_ids": model.device_ids,
+        "unwrapped": ad.unwrap(model) is net,
+        "optimizer_same": same_opt is opt,
+        "again_same": again is model,
+        "sampler": type(shard.sampler).__name__,
+        "rank": shard.sampler.rank,
+        "replicas": shard.sampler.num_replicas,
+        "batches": [b.tolist() for b in shard],
+    }
+
+
+def test_ddp_strategy_wraps_even_a_group_of_one_and_auto_does_not(tmp_path):
+    def rank(init_method):
+        with ad.distributed(init_method=init_method, timeout=30):
+            auto = type(ad.prepare(nn.Linear(2, 1))).__name__
+            forced = type(ad.prepare(nn.Linear(2, 1), strategy="ddp")).__name__
+            return auto, forced
+
+    assert run_ranks(rank, 1, tmp_path) == [("Linear", "DistributedDataParallel")]
+
+
+def test_dataparallel_in_a_multi_process_world_is_refused(tmp_path):
+    def rank(init_method):
+        with ad.distributed(init_method=init_method, timeout=30):
+            try:
+                ad.prepare(nn.Linear(2, 1), strategy="dp")
+            except ad.DistributedError as e:
+                return str(e)
+            return "wrapped"
+
+    assert all("one of 2 processes" in m for m in run_ranks(rank, 2, tmp_path))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+def test_dataparallel_on_one_gpu_gives_the_bare_modules_output():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).cuda()
+    x = torch.randn(64, 16, device="cuda")
+    expected = net(x)
+    model = ad.prepare(net, strategy="dp", device="cuda:0")
+    assert isinstance(model, DataParallel) and model.device_ids[0] == 0
+    torch.testing.assert_close(model(x), expected)
+
+
+@pytest.mark.cuda
+def test_optimizer_state_follows_the_model_to_the_gpu():
+    net = nn.Linear(4, 2)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()  # state on the CPU
+    ad.prepare(net, optimizer=opt, device="cuda:0")
+    state = opt.state[next(iter(net.parameters()))]
+    assert state["exp_avg"].device.type == "cuda"
+    assert state["step"].device.type == "cpu"  # torch keeps a non-capturable step on the CPU
+    opt.step()  # and the step runs on the GPU
+
+
+@pytest.mark.cuda
+def test_ddp_on_a_gpu_gets_its_device_id(monkeypatch):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    with ad.distributed(timeout=60) as d:
+        ids = ad.prepare(nn.Linear(2, 1), strategy="ddp").device_ids  # dropped at once
+        assert ids == [d.device.index]
