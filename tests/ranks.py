@@ -11,6 +11,8 @@ traceback, to a file; a rank that does not finish in time is killed and fails th
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -47,6 +49,7 @@ def run_ranks(
     started = list(range(world_size) if ranks is None else ranks)
     rdzv = f"file://{tmp_path / 'rdzv'}"
     ctx = mp.get_context("fork")
+    gc.collect()  # collect this process's garbage here, not in the children (see _child)
     procs = []
     for rank in started:
         out = tmp_path / f"rank{rank}.pickle"
@@ -58,7 +61,8 @@ def run_ranks(
             "ANYDEVICE_DEVICE": "cpu",
             **(env or {}),
         }
-        p = ctx.Process(target=_child, args=(fn, rdzv, variables, out))
+        stacks = tmp_path / f"rank{rank}.stacks"
+        p = ctx.Process(target=_child, args=(fn, rdzv, variables, out, stacks, timeout - 2))
         p.start()
         procs.append((rank, p, out))
     deadline = time.monotonic() + timeout
@@ -70,11 +74,21 @@ def run_ranks(
             p.kill()
             p.join(10)
     if hung:
-        raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s (killed)")
+        dumps = "".join(
+            f"\n--- rank {r}, every thread's stack shortly before it was killed:\n"
+            + (tmp_path / f"rank{r}.stacks").read_text(errors="replace")
+            for r in hung
+            if (tmp_path / f"rank{r}.stacks").exists()
+        )
+        raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s (killed){dumps}")
     results = []
     for rank, p, out in procs:
         if not out.exists():
-            raise AssertionError(f"rank {rank} died without a result (exit code {p.exitcode})")
+            stacks = tmp_path / f"rank{rank}.stacks"
+            where = stacks.read_text(errors="replace") if stacks.exists() else ""
+            raise AssertionError(
+                f"rank {rank} died without a result (exit code {p.exitcode})\n{where}"
+            )
         status, value = pickle.loads(out.read_bytes())
         if status != "ok":
             raise AssertionError(f"rank {rank} failed:\n{value}")
@@ -82,15 +96,34 @@ def run_ranks(
     return results
 
 
-def _child(fn: Callable[[str], Any], rdzv: str, env: dict[str, str], out: Path) -> None:
+def _child(
+    fn: Callable[[str], Any],
+    rdzv: str,
+    env: dict[str, str],
+    out: Path,
+    stacks: Path,
+    dump_after: float,
+) -> None:
+    # What the child inherited from pytest is not its own: earlier tests' process groups,
+    # stores and loader iterators may lie in unreachable cycles, and destroying them here
+    # (ad.distributed's gc.collect() on exit) aborts in C++ threads the fork did not copy.
+    gc.freeze()
     code = 0
-    try:
-        os.environ.update(env)  # this child's own environment, as a launcher gives it
-        result: tuple[str, Any] = ("ok", fn(rdzv))
-    except BaseException:
-        result, code = ("error", traceback.format_exc()), 1
+    with stacks.open("w") as dump:  # where a hung rank was, for the parent's error
+        faulthandler.enable(file=dump)  # a crash (SIGABRT, SIGSEGV) leaves its stacks too
+        faulthandler.dump_traceback_later(max(1.0, dump_after), file=dump)
+        try:
+            result: tuple[str, Any] = _call(fn, rdzv, env)
+        except BaseException:
+            result, code = ("error", traceback.format_exc()), 1
+        faulthandler.cancel_dump_traceback_later()
     out.write_bytes(pickle.dumps(result))
     os._exit(code)  # skip the parent's atexit handlers and pytest's finalizers
+
+
+def _call(fn: Callable[[str], Any], rdzv: str, env: dict[str, str]) -> tuple[str, Any]:
+    os.environ.update(env)  # this child's own environment, as a launcher gives it
+    return ("ok", fn(rdzv))
 
 
 def children() -> set[int]:
