@@ -16,7 +16,7 @@ from torch.utils.data import (
 )
 
 import anydevice as ad
-from anydevice.distributed.parallel import ReshufflingSampler, distributed_loader
+from anydevice.distributed.parallel import ReshufflingSampler, device_loader, distributed_loader
 from ranks import process_tree_guard, run_ranks
 
 
@@ -38,12 +38,17 @@ def seed_worker(worker_id: int) -> None:
 # ----------------------------------------------------------------------------- world of one
 
 
-def test_world_of_one_returns_the_users_own_objects():
+def test_world_of_one_returns_the_users_model_and_optimizer_and_a_device_loader():
     net = nn.Linear(3, 1)
     loader = DataLoader(range(8), batch_size=2, shuffle=True)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    model, same_loader, same_opt = ad.prepare(net, loader, opt)
-    assert model is net and same_loader is loader and same_opt is opt
+    model, dl, same_opt = ad.prepare(net, loader, opt, device="cpu")
+    assert model is net and same_opt is opt
+    assert isinstance(dl, ad.DeviceLoader)
+    assert dl.loader is loader  # nothing to shard: the user's DataLoader, wrapped
+    assert dl.device == torch.device("cpu")
+    assert dl.dataset is loader.dataset and dl.batch_size == 2  # read through
+    assert sorted(torch.cat(list(dl)).tolist()) == list(range(8))
 
 
 def test_return_shape_follows_the_arguments():
@@ -52,7 +57,23 @@ def test_return_shape_follows_the_arguments():
     assert ad.prepare(net) is net
     assert ad.prepare(net, optimizer=opt) == (net, opt)
     loader = DataLoader(range(4))
-    assert ad.prepare(net, loader) == (net, loader)
+    model, dl = ad.prepare(net, loader)
+    assert model is net and dl.loader is loader
+
+
+def test_a_device_loader_keeps_its_settings_and_is_not_wrapped_twice():
+    def double(b):
+        return b * 2
+
+    dl = ad.DeviceLoader(DataLoader(range(4), batch_size=2), "cpu", double, False, depth=3)
+    _, same = ad.prepare(nn.Linear(1, 1), dl, device="cpu")
+    assert same is dl  # already delivering to this device, nothing to shard
+    shard = device_loader(dl, 2, 1, torch.device("cpu"))
+    assert shard is not dl and shard.loader is not dl.loader
+    assert (shard.transform, shard.prefetch, shard.depth) == (double, False, 3)
+    assert [b.tolist() for b in shard] == [[2, 6]]  # rank 1's samples 1 and 3, doubled
+    with pytest.raises(ad.DistributedError, match="wraps a list, not a DataLoader"):
+        device_loader(ad.DeviceLoader([torch.ones(1)], "cpu"), 2, 0, torch.device("cpu"))
 
 
 def test_unknown_strategy_is_named():
@@ -183,6 +204,7 @@ def test_two_ranks_get_ddp_without_device_ids_on_cpu_and_a_sharded_loader(tmp_pa
         assert facts["unwrapped"]
         assert facts["optimizer_same"]
         assert facts["again_same"]  # preparing a prepared model leaves it alone
+        assert (facts["loader"], facts["inner"]) == ("DeviceLoader", "DataLoader")
         assert (facts["sampler"], facts["rank"], facts["replicas"]) == ("ReshufflingSampler", r, 2)
         assert facts["batches"] == [[r, r + 2], [r + 4, r + 6]]
 
@@ -199,11 +221,36 @@ def inspect_ddp(d):
         "unwrapped": ad.unwrap(model) is net,
         "optimizer_same": same_opt is opt,
         "again_same": again is model,
+        "loader": type(shard).__name__,
+        "inner": type(shard.loader).__name__,
         "sampler": type(shard.sampler).__name__,
         "rank": shard.sampler.rank,
         "replicas": shard.sampler.num_replicas,
         "batches": [b.tolist() for b in shard],
     }
+
+
+def test_set_epoch_on_the_prepared_loader_reaches_the_sampler_on_every_rank(tmp_path):
+    def rank(init_method):
+        with ad.distributed(init_method=init_method, timeout=30):
+            loader = DataLoader(range(16), batch_size=4, shuffle=True)
+            _, dl = ad.prepare(nn.Linear(1, 1), loader)
+            passes = [torch.cat(list(dl)).tolist() for _ in range(3)]  # epochs 0, 1, 2
+            dl.set_epoch(1)
+            again = torch.cat(list(dl)).tolist()  # epoch 1 once more
+            return passes, again, dl.sampler.epoch
+
+    results = run_ranks(rank, 2, tmp_path)
+    for r, (passes, again, epoch) in enumerate(results):
+        assert len({tuple(p) for p in passes}) == 3  # a new order each epoch, unasked
+        assert again == passes[1]  # set_epoch chose the epoch
+        assert epoch == 2  # the sampler moved on after the pass it was set for
+        for e, got in enumerate(passes):
+            plain = DistributedSampler(range(16), num_replicas=2, rank=r, shuffle=True)
+            plain.set_epoch(e)
+            assert got == list(plain)  # torch's own sampler at epoch e
+    for e in range(3):  # the ranks split every epoch between them
+        assert sorted(results[0][0][e] + results[1][0][e]) == list(range(16))
 
 
 def test_ddp_strategy_wraps_even_a_group_of_one_and_auto_does_not(tmp_path):

@@ -262,3 +262,11 @@ def test_batches_move_to_another_device():
     out = list(loader)
     assert all(b.device.type == "meta" for b in out)
     assert loader.stats.bytes_moved == 2 * 3 * 4
+
+
+def test_attributes_it_does_not_define_are_the_sources():
+    source = DataLoader(range(6), batch_size=3)
+    dl = ad.DeviceLoader(source, "cpu")
+    assert dl.dataset is source.dataset and dl.sampler is source.sampler and dl.batch_size == 3
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = dl.nope

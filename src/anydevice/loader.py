@@ -135,7 +135,8 @@ class _Counters:
 class DeviceLoader(Generic[T]):
     """Wrap any iterable of batches so each batch arrives on ``device``.
 
-    ``len()``, re-iteration once per epoch and ``set_epoch`` work as on the source. On CUDA
+    ``len()``, re-iteration once per epoch and ``set_epoch`` work as on the source, and any
+    other attribute is the source's (``loader.dataset``, ``loader.sampler``). On CUDA
     the next batch is pinned off the main thread and copied on a side stream while the
     current one computes (see the module docstring for why that is safe); elsewhere the
     next batch is fetched ahead and moved with :func:`anydevice.to`.
@@ -251,6 +252,14 @@ class DeviceLoader(Generic[T]):
             run.close()
             if self._active is run:
                 self._active = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything DeviceLoader does not define is the source's: ``loader.dataset``,
+        # ``loader.sampler``, ``loader.batch_size`` read as on the DataLoader it wraps.
+        source = self.__dict__.get("loader")
+        if name.startswith("__") or source is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(source, name)
 
     def __repr__(self) -> str:
         return (

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from anydevice.distributed import environment
 from anydevice.errors import DistributedError
+from anydevice.loader import DeviceLoader
 
 __all__ = ["all_gather", "all_reduce", "broadcast", "gather_for_metrics"]
 
@@ -135,7 +136,9 @@ def broadcast(obj: T, src: int = 0) -> T:
     return buf.to(target)  # type: ignore[return-value]
 
 
-def gather_for_metrics(x: T, loader: DataLoader[Any] | Sampler[Any] | int | None = None) -> T:
+def gather_for_metrics(
+    x: T, loader: DataLoader[Any] | DeviceLoader[Any] | Sampler[Any] | int | None = None
+) -> T:
     """Every rank's evaluation outputs, in sampler order, with the sampler's padding dropped.
 
     ``DistributedSampler`` pads the dataset so that every rank gets as many samples:
@@ -157,7 +160,7 @@ def gather_for_metrics(x: T, loader: DataLoader[Any] | Sampler[Any] | int | None
     Args:
         x: this rank's outputs: a tensor whose first dimension is samples, a list with one
             item per sample, or a tuple or dict of those.
-        loader: the DataLoader the outputs came from (``ad.prepare`` gives one), its
+        loader: the loader the outputs came from (``ad.prepare`` gives one), its
             ``DistributedSampler``, or the number of real samples. Optional in a world of one.
 
     Returns:
@@ -226,7 +229,7 @@ def _gather_tensors(t: torch.Tensor, size: int) -> list[torch.Tensor]:
 def _real_samples(loader: object, size: int) -> int:
     if isinstance(loader, int) and not isinstance(loader, bool):
         return loader
-    sampler = loader.sampler if isinstance(loader, DataLoader) else loader
+    sampler = loader.sampler if isinstance(loader, (DataLoader, DeviceLoader)) else loader
     if isinstance(sampler, DistributedSampler):
         if sampler.num_replicas != size:
             raise DistributedError(

@@ -1,10 +1,12 @@
 """Data parallelism — ``ad.prepare(model, loader, optimizer)``: place, wrap, shard.
 
-It returns torch's own objects, never wrappers of ours: the model on this rank's device —
-inside torch's ``DistributedDataParallel`` when the world has more than one rank, inside
-``nn.DataParallel`` for ``strategy="dp"``, as it is in a world of one — a ``DataLoader``
-rebuilt around a ``DistributedSampler`` (every setting of the original kept), and the
-same optimizer with its state moved along. ``ad.unwrap(model)`` gives the user's module back.
+The model and optimizer come back as torch's own objects, never wrappers of ours: the model
+on this rank's device — inside torch's ``DistributedDataParallel`` when the world has more
+than one rank, inside ``nn.DataParallel`` for ``strategy="dp"``, as it is in a world of one —
+and the same optimizer with its state moved along. ``ad.unwrap(model)`` gives the user's
+module back. The loader is torch's ``DataLoader`` rebuilt around a ``DistributedSampler``
+(every setting of the original kept), inside a :class:`~anydevice.DeviceLoader` that
+delivers its batches on the rank's device and passes ``set_epoch`` to the sampler.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from anydevice import selection
 from anydevice.distributed import environment
 from anydevice.distributed.context import rank_device
 from anydevice.errors import DistributedError
+from anydevice.loader import DeviceLoader
 from anydevice.selection import DeviceLike
 
 __all__ = [
@@ -74,22 +77,22 @@ def prepare(
 @overload
 def prepare(
     model: nn.Module,
-    loader: DataLoader[Any],
+    loader: DataLoader[Any] | DeviceLoader[Any],
     *,
     strategy: str = ...,
     device: DeviceLike | None = ...,
     **kwargs: Any,
-) -> tuple[nn.Module, DataLoader[Any]]: ...
+) -> tuple[nn.Module, DeviceLoader[Any]]: ...
 @overload
 def prepare(
     model: nn.Module,
-    loader: DataLoader[Any],
+    loader: DataLoader[Any] | DeviceLoader[Any],
     optimizer: torch.optim.Optimizer,
     *,
     strategy: str = ...,
     device: DeviceLike | None = ...,
     **kwargs: Any,
-) -> tuple[nn.Module, DataLoader[Any], torch.optim.Optimizer]: ...
+) -> tuple[nn.Module, DeviceLoader[Any], torch.optim.Optimizer]: ...
 @overload
 def prepare(
     model: nn.Module,
@@ -102,7 +105,7 @@ def prepare(
 ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
 def prepare(
     model: nn.Module,
-    loader: DataLoader[Any] | None = None,
+    loader: DataLoader[Any] | DeviceLoader[Any] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strategy: str = "auto",
@@ -132,6 +135,10 @@ def prepare(
         loader: a ``DataLoader`` to shard. Its dataset, batch size, shuffle, workers,
             collate_fn, pin_memory, drop_last, timeout, worker_init_fn, generator,
             prefetch_factor, persistent_workers and multiprocessing context are kept.
+            It comes back inside a :class:`~anydevice.DeviceLoader`: batches arrive on the
+            rank's device (prefetched; on CUDA, pinned and copied on a side stream), and
+            ``set_epoch`` reaches the sampler. A ``DeviceLoader`` may be passed too: its
+            source is sharded and its ``transform``, ``prefetch`` and ``depth`` are kept.
         optimizer: its state (momentum, Adam moments) moves to the model's device.
         strategy: ``"auto"`` (DDP when the world has several ranks, else nothing);
             ``"ddp"`` (DDP whenever a process group exists, even of one rank);
@@ -145,7 +152,9 @@ def prepare(
 
     Returns:
         The arguments given, in order: ``model``; ``(model, loader)``;
-        ``(model, loader, optimizer)``; or ``(model, optimizer)``.
+        ``(model, loader, optimizer)``; or ``(model, optimizer)``. The model and optimizer
+        are torch's objects; the loader is a ``DeviceLoader`` whose ``.loader`` is torch's
+        ``DataLoader`` (its ``dataset``, ``sampler`` and ``batch_size`` read through).
 
     Raises:
         DistributedError: ``WORLD_SIZE > 1`` but no process group (call it inside ``with
@@ -163,7 +172,7 @@ def prepare(
     wrapped = _wrap(module, strategy, size, dev, kwargs)
     out: list[Any] = [wrapped]
     if loader is not None:
-        out.append(device_loader(distributed_loader(loader, size, rank), dev))
+        out.append(device_loader(loader, size, rank, dev))
     if optimizer is not None:
         out.append(optimizer)
     return out[0] if len(out) == 1 else tuple(out)
@@ -254,15 +263,34 @@ def distributed_loader(
         ) from e
 
 
-def device_loader(loader: DataLoader[Any], device: torch.device) -> DataLoader[Any]:
-    """The step that delivers ``loader``'s batches on ``device``.
+def device_loader(
+    loader: DataLoader[Any] | DeviceLoader[Any], size: int, rank: int, device: torch.device
+) -> DeviceLoader[Any]:
+    """``loader`` sharded for this rank and delivering its batches on ``device``.
 
-    This is where anydevice's DeviceLoader (pinned, non-blocking copies prefetched on a
-    side stream, ``set_epoch`` reaching the sampler) will wrap the loader. Until then the
-    loader is returned as it is: batches arrive as the DataLoader yields them, and the
-    training loop moves them (``x.to(d.device, non_blocking=True)``).
+    A ``DeviceLoader`` given here keeps its ``transform``, ``prefetch`` and ``depth``; its
+    source is what gets sharded.
+
+    >>> from torch.utils.data import DataLoader
+    >>> dl = device_loader(DataLoader(range(8), batch_size=2), 2, 1, torch.device("cpu"))
+    >>> [b.tolist() for b in dl], dl.sampler.rank
+    ([[1, 3], [5, 7]], 1)
     """
-    return loader
+    if isinstance(loader, DeviceLoader):
+        inner = loader.loader
+        if not isinstance(inner, DataLoader):
+            if size > 1:
+                raise DistributedError(
+                    f"The DeviceLoader wraps a {type(inner).__name__}, not a DataLoader, so "
+                    f"ad.prepare cannot split it over {size} ranks. Wrap a DataLoader, or "
+                    "shard the data yourself by d.rank and d.world_size."
+                )
+            inner = cast("DataLoader[Any]", inner)
+        source = distributed_loader(inner, size, rank)
+        if source is loader.loader and loader.device == device:
+            return loader
+        return DeviceLoader(source, device, loader.transform, loader.prefetch, depth=loader.depth)
+    return DeviceLoader(distributed_loader(loader, size, rank), device)
 
 
 # ----------------------------------------------------------------------------- internals
