@@ -44,17 +44,51 @@ def test_info_table_shows_host_and_devices():
 
 
 def test_doctor_json_exit_code_matches_verdict():
-    out = run("doctor", "--json")
+    out = run("doctor", "--json", "--no-measure")
     data = json.loads(out.stdout)
     assert data["schema"] == "anydevice.doctor/1"
     assert out.returncode == (0 if data["ok"] else 1)
     assert len(data["checks"]) >= 6
+    assert data["measurements"] is None
 
 
-def test_doctor_table_prints_a_verdict_line():
-    out = run("doctor")
+def test_doctor_quick_json_measures_this_machine_with_units(tmp_path):
+    picture = tmp_path / "doctor.png"
+    out = run("doctor", "--quick", "--json", "--plot", str(picture))
+    assert out.returncode in (0, 1), out.stderr
+    data = json.loads(out.stdout)
+    m = data["measurements"]
+    assert m["plan"] == "quick" and 0 < m["seconds"] < 60
+    cpu = {r["name"]: r for r in m["results"] if r["device"] == "cpu"}
+    assert cpu["matmul-fp32"]["unit"] == "GFLOP/s" and cpu["matmul-fp32"]["value"] > 0
+    assert cpu["memory-copy"]["unit"] == "GB/s" and cpu["memory-copy"]["value"] > 0
+    assert {lv["name"] for lv in m["levers"]} >= {"autocast", "channels-last"}
+    assert [d["device"] for d in m["devices"]][-1] == "cpu"
+    assert m["advice"]
+    assert data["inventory"]["host"]["cpu_model"]  # the machine the numbers belong to
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert picture.stat().st_size > 10_000
+    assert f"wrote {picture}" in out.stderr
+
+
+def test_doctor_table_prints_a_verdict_line_and_the_measurements():
+    out = run("doctor", "--quick", "--device", "cpu")
     assert "check" in out.stdout
     assert ("no check failed" in out.stdout) == (out.returncode == 0)
+    assert "what each lever buys here" in out.stdout and "side by side" in out.stdout
+    assert "measured in" in out.stdout
+
+
+def test_doctor_names_a_device_that_is_not_here():
+    out = run("doctor", "--quick", "--device", "cuda:7")
+    assert out.returncode == 2
+    assert "No device 'cuda:7' here" in out.stderr and "cpu" in out.stderr
+
+
+def test_doctor_plot_without_measurements_is_refused(tmp_path):
+    out = run("doctor", "--no-measure", "--plot", str(tmp_path / "x.png"))
+    assert out.returncode == 2 and "--plot needs measurements" in out.stderr
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_no_command_prints_help_and_exits_2(capsys):

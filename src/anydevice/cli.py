@@ -51,20 +51,76 @@ def _info(args: argparse.Namespace) -> int:
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--quick", dest="plan", action="store_const", const="quick", help="measure briefly"
+    )
+    size.add_argument(
+        "--full",
+        dest="plan",
+        action="store_const",
+        const="full",
+        help="measure longer, with larger sizes, on every GPU",
+    )
+    size.add_argument(
+        "--no-measure",
+        dest="plan",
+        action="store_const",
+        const="none",
+        help="run the configuration checks only",
+    )
+    p.set_defaults(plan="default")
+    p.add_argument(
+        "--device",
+        action="append",
+        metavar="SPEC",
+        help="measure only this device (repeatable), e.g. --device cpu --device cuda:1",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE", help="draw bandwidth and throughput to FILE (PNG; matplotlib)"
+    )
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from anydevice.doctor import examine
-
-    report = examine()
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-        return report.exit_code
     from rich.console import Console
 
-    from anydevice.console import render_report
+    from anydevice.doctor import examine
 
-    render_report(report, Console())
+    if args.plot and args.plan == "none":
+        print("anydevice doctor: --plot needs measurements; drop --no-measure.", file=sys.stderr)
+        return 2
+    if args.plot:
+        from anydevice.doctor.plot import require_matplotlib
+
+        try:
+            require_matplotlib()  # before the measuring, not after it
+        except ImportError as e:
+            print(f"anydevice doctor: {e}", file=sys.stderr)
+            return 2
+    err = Console(stderr=True)
+    if args.plan == "none":
+        report = examine()
+    else:
+        from anydevice.console import measuring
+
+        with measuring(err) as progress:
+            try:
+                report = examine(measure=args.plan, devices=args.device, progress=progress)
+            except ValueError as e:
+                err.print(f"anydevice doctor: {e}", style="bold red", highlight=False)
+                return 2
+    if args.plot and report.measurements is not None:
+        from anydevice.doctor.plot import plot
+
+        plot(report.measurements, args.plot)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        from anydevice.console import render_report
+
+        render_report(report, Console())
+    if args.plot:
+        err.print(f"wrote {args.plot}", highlight=False)
     return report.exit_code
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -12,9 +13,12 @@ from rich.text import Text
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, format_bytes
 
 if TYPE_CHECKING:
-    from anydevice.doctor import Report
+    from collections.abc import Iterator
 
-__all__ = ["render_inventory", "render_report"]
+    from anydevice.doctor import Report
+    from anydevice.doctor.measure import Measurements, Progress
+
+__all__ = ["measuring", "render_inventory", "render_measurements", "render_report"]
 
 _STATUS_STYLE = {
     "ok": ("✔ ok", "green"),
@@ -149,11 +153,128 @@ def render_report(report: Report, console: Console) -> None:
     counts = {s: sum(c.status == s for c in report.checks) for s in _STATUS_STYLE}
     verdict = "no check failed" if report.ok else f"{counts['fail']} check(s) failed"
     console.print(
-        Group(
-            Text(
-                f"{verdict}: {counts['ok']} ok, {counts['info']} info, {counts['warn']} warn, "
-                f"{counts['fail']} fail, {counts['skip']} skipped.",
-                style="green" if report.ok else "bold red",
-            )
+        Text(
+            f"{verdict}: {counts['ok']} ok, {counts['info']} info, {counts['warn']} warn, "
+            f"{counts['fail']} fail, {counts['skip']} skipped.",
+            style="green" if report.ok else "bold red",
         )
     )
+    if report.measurements is not None:
+        render_measurements(report.measurements, console)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+_VERDICT_STYLE = {
+    "use": ("✔ use", "green"),
+    "no-gain": ("– no gain", "dim"),
+    "slower": ("✖ slower", "yellow"),
+    "n/a": ("– n/a", "dim"),
+}
+
+
+def format_rate(value: float | None, unit: str) -> str:
+    """``1.2e5 GFLOP/s`` reads ``120 TFLOP/s``; ``None`` reads ``-``."""
+    if value is None:
+        return "-"
+    if unit == "GFLOP/s" and value >= 1000:
+        return f"{value / 1000:.3g} TFLOP/s"
+    return f"{value:.3g} {unit}"
+
+
+def _seconds(value: float | None) -> str:
+    from anydevice.timing import format_time
+
+    return "-" if value is None else format_time(value)
+
+
+def results_table(m: Measurements) -> Table:
+    table = Table(title="measured", title_justify="left")
+    table.add_column("device", no_wrap=True)
+    table.add_column("what", style="bold")
+    table.add_column("result", justify="right", no_wrap=True)
+    table.add_column("of peak", justify="right", no_wrap=True)
+    table.add_column("how", overflow="fold", style="dim")
+    for r in m.results:
+        share = "-" if r.fraction is None else f"{r.fraction:.0%}"
+        peak = "" if r.peak is None else f"{r.peak_source}: {format_rate(r.peak, r.unit)}; "
+        noisy = Text(" (noisy)", style="yellow") if r.noisy else ""
+        table.add_row(r.device, r.title, Text(format_rate(r.value, r.unit)) + noisy, share,
+                      peak + r.detail)  # fmt: skip
+    return table
+
+
+def levers_table(m: Measurements) -> Table:
+    table = Table(title="what each lever buys here", title_justify="left")
+    table.add_column("device", no_wrap=True)
+    table.add_column("lever", overflow="fold")
+    table.add_column("without", justify="right", no_wrap=True)
+    table.add_column("with", justify="right", no_wrap=True)
+    table.add_column("speed-up", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    for lv in m.levers:
+        label, style = _VERDICT_STYLE[lv.verdict]
+        what = Text(lv.title, style="bold")
+        what.append(f"\n{lv.workload if lv.verdict != 'n/a' else lv.note}", style="dim")
+        speedup = "-" if lv.speedup is None else f"{lv.speedup:.2f}x"
+        table.add_row(lv.device, what, _seconds(lv.baseline), _seconds(lv.lever), speedup,
+                      Text(label, style=style))  # fmt: skip
+    return table
+
+
+def _tflops(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1000:.3g}"
+
+
+def devices_table(m: Measurements) -> Table:
+    table = Table(title=f"side by side: {m.step}", title_justify="left")
+    for name in ("device", "step fp32", "step best", "x CPU", "fp32 TFLOP/s", "best TFLOP/s",
+                 "memory GB/s", "H2D GB/s"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "device" else "right")
+    for d in m.devices:
+        table.add_row(
+            d.device,
+            _seconds(d.step_fp32),
+            f"{_seconds(d.step_best)} {d.mode}",
+            "-" if d.vs_cpu is None else f"{d.vs_cpu:.3g}x",
+            _tflops(d.matmul_fp32),
+            f"{_tflops(d.matmul_best)} {d.best_dtype}",
+            "-" if d.memory is None else f"{d.memory:.3g}",
+            "-" if d.h2d is None else f"{d.h2d:.3g}",
+        )
+    return table
+
+
+def render_measurements(m: Measurements, console: Console) -> None:
+    console.print(results_table(m))
+    console.print(levers_table(m))
+    console.print(devices_table(m))
+    for line in m.advice:
+        console.print(Text("→ " + line, style="bold"))
+    for note in m.notes:
+        console.print(Text(f"note: {note}", style="yellow"))
+    console.print(Text(f"measured in {m.seconds:.1f} s ({m.plan} plan)", style="dim"))
+
+
+@contextlib.contextmanager
+def measuring(console: Console) -> Iterator[Progress]:
+    """A progress bar on ``console`` (when it is a terminal) and the callback that moves it."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]measuring[/]"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    task = bar.add_task("", total=None)
+
+    def update(done: int, total: int, title: str) -> None:
+        bar.update(task, completed=done, total=total, description=title)
+
+    with bar:
+        yield update
