@@ -16,6 +16,7 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -124,6 +125,13 @@ def _child(
 def _call(fn: Callable[[str], Any], rdzv: str, env: dict[str, str]) -> tuple[str, Any]:
     os.environ.update(env)  # this child's own environment, as a launcher gives it
     return ("ok", fn(rdzv))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def children() -> set[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -12,19 +11,13 @@ import torch.distributed as dist
 
 import anydevice as ad
 from anydevice.distributed.context import backend_for, rank_device
-from ranks import process_tree_guard, run_ranks
+from ranks import free_port, process_tree_guard, run_ranks
 
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     with process_tree_guard():
         yield
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------------------------------- world of one

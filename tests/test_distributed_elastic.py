@@ -12,7 +12,6 @@ import operator
 import os
 import pickle
 import signal
-import socket
 import time
 
 import pytest
@@ -22,19 +21,13 @@ import anydevice as ad
 import workers
 from anydevice.distributed.elastic import plan, resolve_nprocs, scoped_environ
 from machines import gpu, machine
-from ranks import process_tree_guard
+from ranks import free_port, process_tree_guard
 
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind():
     with process_tree_guard():
         yield
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------------------------------- nprocs

@@ -339,12 +339,15 @@ _TORCH_DTYPE = {
 
 @contextlib.contextmanager
 def strict_fp32() -> Iterator[None]:
-    """fp32 matmuls in full fp32 (no TF32, no bf16) inside the block; settings restored."""
+    """fp32 matmuls in full fp32 (no TF32, no bf16) inside the block; settings restored.
+
+    cuDNN's flag is left alone: writing it would lose torch's initial conv/RNN state, which
+    no setter can put back (see :mod:`anydevice.matmul`), and no matmul reads it.
+    """
     saved = MathSettings.capture()
     try:
         with _legacy_on_purpose():
             torch.set_float32_matmul_precision("highest")
-            torch.backends.cudnn.allow_tf32 = False
         yield
     finally:
         saved.restore()
