@@ -71,7 +71,7 @@ def no_thread_left_behind():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_batches_arrive_in_order_with_len_and_again_next_epoch(workers):
     dl = DataLoader(Squares(10), batch_size=3, num_workers=workers)
-    loader = DeviceLoader(dl, "cpu")
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
     assert len(loader) == len(dl) == 4
     assert values(loader) == [float(i) for i in range(10)]
     assert values(loader) == [float(i) for i in range(10)]  # re-iterable per epoch
@@ -82,14 +82,14 @@ def test_batches_arrive_in_order_with_len_and_again_next_epoch(workers):
 
 def test_plain_lists_and_nested_batches():
     batches = [{"x": torch.ones(2), "meta": ["a", 1]}, {"x": torch.zeros(2), "meta": ["b", 2]}]
-    out = list(DeviceLoader(batches, "cpu"))
+    out = list(DeviceLoader(batches, "cpu", prefetch=True))
     assert [b["meta"] for b in out] == [["a", 1], ["b", 2]]
     assert [b["x"].sum().item() for b in out] == [2.0, 0.0]
 
 
 def test_generator_source_is_read_once():
     gen = (torch.full((2,), float(i)) for i in range(3))
-    loader = DeviceLoader(gen, "cpu")
+    loader = DeviceLoader(gen, "cpu", prefetch=True)
     assert [b[0].item() for b in loader] == [0.0, 1.0, 2.0]
     assert list(loader) == []  # a generator cannot be read twice; nothing to fake
     with pytest.raises(TypeError, match="has no len"):
@@ -98,7 +98,7 @@ def test_generator_source_is_read_once():
 
 def test_transform_runs_on_each_batch_after_the_move():
     raw = [torch.arange(4, dtype=torch.uint8) for _ in range(3)]
-    loader = DeviceLoader(raw, "cpu", transform=lambda b: b.float() / 255)
+    loader = DeviceLoader(raw, "cpu", transform=lambda b: b.float() / 255, prefetch=True)
     out = list(loader)
     assert all(b.dtype == torch.float32 for b in out)
     assert torch.allclose(out[0], torch.arange(4) / 255)
@@ -111,7 +111,7 @@ class Pair:
 
 
 def test_dataclass_batches_are_delivered():
-    loader = DeviceLoader([Pair(torch.ones(1), torch.zeros(1))], "cpu")
+    loader = DeviceLoader([Pair(torch.ones(1), torch.zeros(1))], "cpu", prefetch=True)
     (batch,) = list(loader)
     assert isinstance(batch, Pair)
     assert batch.a.item() == 1.0
@@ -140,7 +140,7 @@ def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
     switch.touch()
     dl = DataLoader(Squares(16, fail_at=6, switch=switch, mode="kill"), batch_size=2,
                     num_workers=2, timeout=0)  # fmt: skip
-    loader = DeviceLoader(dl, "cpu")
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         for _ in loader:
@@ -155,7 +155,7 @@ def test_early_break_leaves_no_thread_and_no_worker(workers):
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     dl = DataLoader(Squares(100, delay=0.001), batch_size=2, num_workers=workers)
-    loader = DeviceLoader(dl, "cpu")
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
     for i, _ in enumerate(loader):
         if i == 2:
             break
@@ -164,7 +164,7 @@ def test_early_break_leaves_no_thread_and_no_worker(workers):
 
 
 def test_keyboard_interrupt_leaves_no_thread():
-    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu")
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu", prefetch=True)
     with pytest.raises(KeyboardInterrupt):
         for i, _ in enumerate(loader):
             if i == 3:
@@ -173,7 +173,7 @@ def test_keyboard_interrupt_leaves_no_thread():
 
 
 def test_a_new_pass_closes_the_unfinished_one():
-    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu")
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu", prefetch=True)
     first = iter(loader)
     next(first)
     assert values(loader) == [float(i) for i in range(50)]
@@ -181,7 +181,9 @@ def test_a_new_pass_closes_the_unfinished_one():
 
 
 def test_empty_loader_yields_nothing_and_says_nothing_is_wrong():
-    loader = DeviceLoader(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4), "cpu")
+    loader = DeviceLoader(
+        DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4), "cpu", prefetch=True
+    )
     assert list(loader) == []
     assert len(loader) == 0
     assert loader.stats.batches == 0
@@ -199,7 +201,7 @@ def test_prefetch_false_never_starts_a_thread():
 def test_set_epoch_reaches_the_distributed_sampler():
     ds = Squares(20)
     sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)
-    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", prefetch=True)
     loader.set_epoch(7)
     assert sampler.epoch == 7
     order7 = values(loader)
@@ -210,7 +212,7 @@ def test_set_epoch_reaches_the_distributed_sampler():
 def test_each_pass_sets_the_next_epoch_when_the_user_does_not():
     ds = Squares(40)
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
-    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", prefetch=True)
     epochs = []
     orders = []
     for _ in range(3):
@@ -222,7 +224,7 @@ def test_each_pass_sets_the_next_epoch_when_the_user_does_not():
 
 def test_stats_call_a_slow_source_input_bound():
     dl = DataLoader(Squares(8, delay=0.02), batch_size=1, num_workers=0)
-    loader = DeviceLoader(dl, "cpu")
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
     for _ in loader:
         pass
     s = loader.stats
@@ -236,7 +238,7 @@ def test_stats_call_a_slow_source_input_bound():
 
 
 def test_stats_call_a_slow_consumer_compute_bound():
-    loader = DeviceLoader([torch.ones(4)] * 6, "cpu")
+    loader = DeviceLoader([torch.ones(4)] * 6, "cpu", prefetch=True)
     for _ in loader:
         time.sleep(0.03)
     s = loader.stats
@@ -270,3 +272,16 @@ def test_attributes_it_does_not_define_are_the_sources():
     assert dl.dataset is source.dataset and dl.sampler is source.sampler and dl.batch_size == 3
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = dl.nope
+
+
+def test_prefetch_auto_starts_a_thread_only_for_accelerators():
+    assert DeviceLoader([torch.ones(1)], "cpu").prefetch is False  # nothing to copy here
+    assert DeviceLoader([torch.ones(1)], "meta").prefetch is True  # any non-CPU device
+    assert DeviceLoader([torch.ones(1)], "cpu", prefetch=True).prefetch is True
+    loader = DeviceLoader(DataLoader(Squares(5), batch_size=1), "cpu")
+    seen = []
+    for _ in loader:
+        seen.append(len(prefetch_threads()))
+    assert seen == [0] * 5
+    with pytest.raises(ValueError, match="prefetch must be True, False or 'auto', not 'yes'"):
+        DeviceLoader([], "cpu", prefetch="yes")

@@ -19,8 +19,9 @@ allocation on the side stream — which always comes after step 2's wait for the
 stream, so after those uses. One stream per loader means one pool: reserved memory stays
 flat across epochs (a stream per epoch strands each epoch's cached blocks).
 
-Elsewhere (CPU, MPS, XLA) the background thread still fetches ahead; the move is a plain
-``anydevice.to``.
+On other accelerators (MPS, XLA, XPU) the background thread still fetches ahead and the
+move is a plain ``anydevice.to``. On the CPU there is nothing to copy, so by default no
+thread either: a batch costs a few microseconds more than iterating the source itself.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
@@ -152,8 +153,12 @@ class DeviceLoader(Generic[T]):
         device: any device spec; resolved once, here.
         transform: called on each batch after it reached the device (on the side stream on
             CUDA), e.g. ``lambda b: (b[0].float() / 255, b[1])``: send uint8, get float.
-        prefetch: fetch the next batch in a background thread. Pass False when the source
-            must be read from the main thread (e.g. it holds a sqlite3 connection).
+        prefetch: fetch the next batch in a background thread. ``"auto"``: on
+            accelerators, where the thread pins batches and overlaps their copy with
+            compute; not on the CPU, where there is no copy to hide and the thread only
+            competes with the step for the GIL (measured: 13 % slower on a small step).
+            Pass False when the source must be read from the calling thread (e.g. it
+            holds a sqlite3 connection); True to prefetch on the CPU anyway.
         depth: how many host batches the background thread may hold ready.
 
     Attributes:
@@ -165,7 +170,7 @@ class DeviceLoader(Generic[T]):
         loader: Iterable[T],
         device: DeviceLike = "auto",
         transform: Callable[[Any], Any] | None = None,
-        prefetch: bool = True,
+        prefetch: bool | Literal["auto"] = "auto",
         *,
         depth: int = 2,
     ) -> None:
@@ -174,7 +179,9 @@ class DeviceLoader(Generic[T]):
         self.loader = loader
         self.device = resolve_device(device)
         self.transform = transform
-        self.prefetch = prefetch
+        if prefetch not in (True, False, "auto"):
+            raise ValueError(f"prefetch must be True, False or 'auto', not {prefetch!r}")
+        self.prefetch: bool = self.device.type != "cpu" if prefetch == "auto" else bool(prefetch)
         self.depth = depth
         self._stream: Any = None  # the side stream, created on first CUDA pass
         self._counters = _Counters()
