@@ -173,7 +173,7 @@ class Measurements:
     step: str = ""  #: the training step every device ran
 
     def result(self, device: str, name: str) -> Measured | None:
-        return next((r for r in self.results if r.device == device and r.name == name), None)
+        return _find(self.results, device, name)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -208,7 +208,11 @@ class _Run:
         return m
 
     def get(self, device: str, name: str) -> Measured | None:
-        return next((r for r in self.results if r.device == device and r.name == name), None)
+        return _find(self.results, device, name)
+
+
+def _find(results: Sequence[Measured], device: str, name: str) -> Measured | None:
+    return next((r for r in results if r.device == device and r.name == name), None)
 
 
 def measure(
@@ -296,14 +300,14 @@ def _steps(info: DeviceInfo, run: _Run) -> list[tuple[str, Callable[[], None]]]:
         steps.append((f"{spec}: {title}", fn))
 
     for dtype in _dtypes(info):
-        add(f"matmul {dtype}", lambda d=dtype: _matmul(info, d, n, run))  # type: ignore[misc]
+        add(f"matmul {dtype}", functools.partial(_matmul, info, dtype, n, run))
     add("memory copy", lambda: _memory_copy(info, run))
     if info.kind != "cpu":
         for direction in ("h2d", "d2h"):
             for pinned in (False, True) if cuda else (False,):
                 add(
                     f"{direction} {'pinned' if pinned else 'pageable'}",
-                    lambda di=direction, pi=pinned: _transfer(info, di, pi, run),  # type: ignore[misc]
+                    functools.partial(_transfer, info, direction, pinned, run),
                 )
     add("fast_matmul", lambda: _fast_matmul_lever(info, n, run))
     if cuda:
@@ -353,7 +357,7 @@ def strict_fp32() -> Iterator[None]:
         saved.restore()
 
 
-def _math(dtype: str, info: DeviceInfo) -> contextlib.AbstractContextManager[Any]:
+def _math(dtype: str) -> contextlib.AbstractContextManager[Any]:
     if dtype == "tf32":
         return fast_matmul("high")
     if dtype == "fp32-medium":
@@ -367,7 +371,7 @@ def _matmul_time(info: DeviceInfo, dtype: str, n: int, min_time: float) -> tuple
     a = torch.randn(n, n, device=dev, dtype=torch_dtype)
     b = torch.randn(n, n, device=dev, dtype=torch_dtype)
     out = torch.empty(n, n, device=dev, dtype=torch_dtype)
-    with _math(dtype, info):
+    with _math(dtype):
         mm = functools.partial(torch.mm, a, b, out=out)
         m = timeit(mm, min_time=min_time, device=dev, label=f"mm {dtype}")
     return m.median, m.noisy
@@ -550,37 +554,43 @@ def _mlp(width: int, device: torch.device) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(width), *layers).to(device)
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: Precision) -> float:
+def _train_step(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    p: Precision,
+) -> float:
+    """Seconds per SGD training step of ``model`` on ``(x, y)`` in ``p``'s precision."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with p.autocast():
-            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss = loss_fn(model(x).float(), y)
         p.backward(loss)
         p.step(opt)
 
     return timeit(step, min_time=0.0, warmup=2, repeat=5, device=x.device).median
 
 
-def _mlp_times(
-    info: DeviceInfo, size: tuple[int, int], run: _Run
-) -> tuple[float, float | None, Precision]:
+def _mlp_times(info: DeviceInfo, size: tuple[int, int]) -> tuple[float, float | None, Precision]:
     batch, width = size
     dev = info.torch_device
     model = _mlp(width, dev)
     x = torch.randn(batch, width, device=dev)
     y = torch.randn(batch, width, device=dev)
     best = Precision(info)
+    mse = nn.functional.mse_loss
     with strict_fp32():
-        fp32 = _train_step(model, x, y, Precision(info, "fp32"))
+        fp32 = _train_step(model, x, y, mse, Precision(info, "fp32"))
     if best.mode == "fp32":
         return fp32, None, best
-    return fp32, _train_step(model, x, y, best), best
+    return fp32, _train_step(model, x, y, mse, best), best
 
 
 def _step_comparison(info: DeviceInfo, run: _Run) -> None:
-    fp32, best, p = _mlp_times(info, run.plan.step, run)
+    fp32, best, p = _mlp_times(info, run.plan.step)
     run.steps[info.spec] = {"fp32": (fp32, "fp32")}
     if best is not None:
         run.steps[info.spec]["best"] = (best, p.mode)
@@ -589,7 +599,7 @@ def _step_comparison(info: DeviceInfo, run: _Run) -> None:
 
 
 def _autocast_lever(info: DeviceInfo, size: tuple[int, int], run: _Run) -> None:
-    fp32, best, p = _mlp_times(info, size, run)
+    fp32, best, p = _mlp_times(info, size)
     _add_autocast(info, size, fp32, best, p, run)
 
 
@@ -639,18 +649,11 @@ def _channels_last_lever(info: DeviceInfo, run: _Run) -> None:
     y = torch.randint(0, 10, (batch,), device=dev)
     times = []
     for fmt in (torch.contiguous_format, torch.channels_last):
+        # Converted by hand, not with ad.channels_last, which converts only where it
+        # expects a gain: here both layouts are timed on every device.
         model = _convnet(dev).to(memory_format=fmt)  # type: ignore[call-overload]
         xs = x.contiguous(memory_format=fmt)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step(model: nn.Module = model, xs: torch.Tensor = xs, opt: Any = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            with p.autocast():
-                loss = nn.functional.cross_entropy(model(xs).float(), y)
-            p.backward(loss)
-            p.step(opt)
-
-        times.append(timeit(step, min_time=0.0, warmup=2, repeat=5, device=dev).median)
+        times.append(_train_step(model, xs, y, nn.functional.cross_entropy, p))
     run.levers.append(
         Lever(
             info.spec,

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from anydevice.doctor.measure import _find
+
 if TYPE_CHECKING:
     from anydevice.doctor.measure import Measured, Measurements
 
@@ -61,7 +63,7 @@ def _bars(
     width = 0.8 / max(1, len(present))
     for j, name in enumerate(present):
         for i, dev in enumerate(devices):
-            r = next((r for r in results if r.device == dev and r.name == name), None)
+            r = _find(results, dev, name)
             if r is None:
                 continue
             x = i + (j - (len(present) - 1) / 2) * width
