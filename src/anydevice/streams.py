@@ -23,27 +23,74 @@ polled frees have grown memory in other libraries).
 
 Streams are created once per device and reused: ``torch.cuda.Stream()`` hands out one of
 32 pooled streams round-robin, and each stream keeps its own allocator pool, so a new
-stream per call (or per epoch) strands cached memory.
+stream per call (or per epoch) strands cached memory. The cache is process-wide, per
+device and role (``side_stream()``'s, and the copy stream every ``DeviceLoader`` on a
+device shares), filled lazily, and emptied in a child made by ``fork``: the parent's
+streams are not the child's, and a lock held by another thread at the fork is replaced.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from anydevice.selection import DeviceLike
 
-__all__ = ["side_stream", "stream_for"]
+__all__ = ["copy_stream", "side_stream", "stream_for"]
 
-# One side stream per (device index, priority). Streams are a process resource that torch
-# itself pools; keeping ours means every side_stream() on a device shares one allocator
-# pool and one ordering.
-_STREAMS: dict[tuple[int, int], Any] = {}
-_LOCK = threading.Lock()
+#: What a cached stream is for: ``side_stream()``'s, or the loaders' copies.
+Role = Literal["side", "copy"]
+
+
+class StreamCache:
+    """Objects made once per key and reused by this process, forgotten in a forked child.
+
+    ``make(index, priority)`` creates the stream for a key the first time it is asked for.
+    Tested with plain objects on the CPU: the logic needs no GPU.
+    """
+
+    def __init__(self, make: Callable[[int, int], Any]) -> None:
+        self._make = make
+        self._items: dict[tuple[int, int, Role], Any] = {}
+        self._lock = threading.Lock()
+        self._watching_fork = False
+
+    def get(self, index: int, priority: int = 0, role: Role = "side") -> Any:
+        """The object for ``(index, priority, role)``, made on first use."""
+        key = (index, priority, role)
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                item = self._make(index, priority)
+                self._items[key] = item
+                if not self._watching_fork:
+                    # Registered on first use, not at import; the handler runs in the child
+                    # right after fork, while it has one thread.
+                    os.register_at_fork(after_in_child=self._forget)
+                    self._watching_fork = True
+        return item
+
+    def _forget(self) -> None:
+        self._items = {}
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _new_stream(index: int, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index, priority=priority)
+
+
+# One stream per (device index, priority, role), for the whole process: streams are a
+# process resource that torch itself pools, and reusing ours keeps one allocator pool
+# and one ordering per role.
+_STREAMS = StreamCache(_new_stream)
 
 
 def _cuda_device(device: DeviceLike | None) -> torch.device | None:
@@ -60,15 +107,23 @@ def _cuda_device(device: DeviceLike | None) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stream_for(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
-    """The side stream anydevice uses on a CUDA ``device`` (created once, then reused)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    with _LOCK:
-        stream = _STREAMS.get(key)
-        if stream is None:
-            stream = torch.cuda.Stream(device=key[0], priority=priority)
-            _STREAMS[key] = stream
-    return stream
+    """The side stream :func:`side_stream` uses on a CUDA ``device`` (created once, then reused)."""
+    return _STREAMS.get(_index(device), priority, "side")  # type: ignore[no-any-return]
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every :class:`~anydevice.DeviceLoader` on a CUDA ``device`` copies on.
+
+    One per device for the whole process, apart from :func:`side_stream`'s, so that copies
+    never queue behind work a user put on a side stream, and a loader built per epoch
+    reuses the blocks the previous one freed (one allocator pool, not one per epoch).
+    """
+    return _STREAMS.get(_index(device), 0, "copy")  # type: ignore[no-any-return]
 
 
 @contextmanager
