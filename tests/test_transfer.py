@@ -9,7 +9,7 @@ plain objects that have the three methods it calls.
 from __future__ import annotations
 
 import random
-from collections import namedtuple
+from collections import UserDict, namedtuple
 from dataclasses import dataclass, field
 
 import pytest
@@ -104,6 +104,23 @@ class Movable:
 
     def to(self, device: torch.device) -> Movable:
         return Movable(self.x.to(device))
+
+
+class Encoding(UserDict):
+    """A mapping with its own .to, as a tokenizer's BatchEncoding is."""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Encoding:
+        return Encoding({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+
+
+def test_a_mapping_with_its_own_to_still_has_its_tensors_pinned():
+    enc = Encoding({"input_ids": torch.ones(2, 3, dtype=torch.int64)})
+    enc.extra = "kept"
+    pin = Recorder()
+    out, nbytes, _ = pin_leaves(enc, CUDA0, pin)
+    assert type(out) is Encoding and out.extra == "kept"
+    assert pin.given == [enc["input_ids"]] and out["input_ids"] is not enc["input_ids"]
+    assert nbytes == 6 * 8
 
 
 def test_modules_and_objects_with_their_own_to_are_not_walked_into():

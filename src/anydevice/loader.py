@@ -396,6 +396,8 @@ class _Pass:
         self.owner = owner
         self.device = owner.device
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if self.cuda and self.device.index is None:  # compared with tensors' devices below
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream: Any = None
         self.default: Any = None
         times = None

@@ -7,7 +7,7 @@ plain (``pin_memory``, ``record_stream``), so the decisions are tested on the CP
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -96,8 +96,9 @@ class _Pinner(_Mover):
 
     Every other leaf stays as it is: tensors on a device (a batch may mix them), sparse
     tensors, modules. Objects with a ``pin_memory()`` method are pinned by it, as the
-    DataLoader does; other objects with their own ``.to`` are left to it. Containers are
-    rebuilt as ``to`` rebuilds them, so a dataclass's tensors are pinned too.
+    DataLoader does; mappings are walked into even when they have a ``.to`` (a
+    tokenizer's ``BatchEncoding``); other objects with their own ``.to`` are left to it.
+    Containers are rebuilt as ``to`` rebuilds them, so a dataclass's tensors are pinned too.
     """
 
     __slots__ = ("already", "nbytes", "pin")
@@ -129,6 +130,8 @@ class _Pinner(_Mover):
             return obj
         if callable(getattr(t, "pin_memory", None)):
             return obj.pin_memory()  # the DataLoader's rule for custom batch types
+        if isinstance(obj, Mapping):
+            return self.mapping(obj, t)  # a tokenizer's BatchEncoding too, though it has .to
         if callable(getattr(t, "to", None)):
             return obj  # moved by its own .to, which anydevice.to calls
         return super().other(obj, t)
