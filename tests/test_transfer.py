@@ -209,6 +209,15 @@ def test_a_handed_out_batch_whose_copy_is_running_keeps_its_events():
     assert times.seconds == pytest.approx(0.001)
 
 
+def test_a_discarded_pair_is_never_timed_nor_reused():
+    times = CopyTimes(Event)
+    slot = times.take()  # the move then raised before the events were recorded
+    times.discard(slot)
+    times.collect(block=True)
+    assert times.pending == [] and times.free == [] and times.seconds == 0.0
+    assert times.take() is not slot
+
+
 def test_blocking_collection_times_everything_and_frees_only_what_was_handed_out():
     times = CopyTimes(Event)
     a, b = times.take(), times.take()

@@ -467,12 +467,16 @@ class _Pass:
         # Memory the consumer freed on the default stream may be reused below: only after
         # what is queued there now (its last reads). Nothing else is waited for.
         stream.wait_stream(self.default)
-        with torch.cuda.stream(stream):
-            slot.start.record(stream)
-            moved = to(batch, self.device, non_blocking=True)
-            if self.owner.transform is not None:
-                moved = self.owner.transform(moved)
-            slot.end.record(stream)
+        try:
+            with torch.cuda.stream(stream):
+                slot.start.record(stream)
+                moved = to(batch, self.device, non_blocking=True)
+                if self.owner.transform is not None:
+                    moved = self.owner.transform(moved)
+                slot.end.record(stream)
+        except BaseException:
+            c.times.discard(slot)  # its events time nothing
+            raise
         self.ready = (moved, slot)
 
     def _hand_out(self, batch: Any, slot: Slot) -> None:

@@ -66,6 +66,10 @@ class CopyTimes:
         self.pending.append(slot)
         return slot
 
+    def discard(self, slot: Slot) -> None:
+        """Forget a pair whose copy was never issued (the move raised before recording)."""
+        self.pending = [s for s in self.pending if s is not slot]
+
     def handed_out(self, slot: Slot) -> None:
         """The consumer's stream has issued its wait on ``slot.end``."""
         slot.handed_out = True
