@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.streams import StreamCache
+from anydevice.streams import StreamCache, _Side
 
 
 def counting_cache() -> tuple[StreamCache, list[tuple[int, int]]]:
@@ -126,6 +126,30 @@ def test_errors_inside_pass_through():
         raise KeyError("boom")
 
 
+class Waits:
+    """A stream stand-in that records which streams it was told to wait for."""
+
+    def __init__(self) -> None:
+        self.waited: list[str] = []
+
+    def wait_stream(self, other: str) -> None:
+        self.waited.append(other)
+
+
+def test_every_entry_waits_for_each_stream_the_side_stream_was_entered_from():
+    # A block freed after reads on stream A may be reused by a later block entered from
+    # stream B: that entry must wait for A too, not only for B.
+    side = _Side(Waits())
+    for current in ("default", "A", "default", "B"):
+        side.enter_from(current)
+    assert side.stream.waited == [
+        "default",
+        "default", "A",
+        "default", "A",
+        "default", "A", "B",
+    ]  # fmt: skip
+
+
 @pytest.mark.cuda
 def test_side_stream_reads_what_the_current_stream_wrote():
     # The tutorial race: normal_() is still queued behind a long kernel on the current
@@ -175,4 +199,27 @@ def test_freed_side_tensors_are_not_reused_while_the_current_stream_reads_them()
             y = torch.full((1 << 20,), -7.0, device="cuda")
         results.append(total.item())
         del y
+    assert results == [2.0 * (1 << 20)] * 20
+
+
+@pytest.mark.cuda
+def test_a_block_entered_from_another_stream_does_not_reuse_memory_still_read_elsewhere():
+    # x is made in a block entered from the default stream and read there, slowly; the
+    # next block is entered from another stream, which has nothing queued.
+    other = torch.cuda.Stream()
+    results, blocks = [], []
+    for _ in range(20):
+        with ad.side_stream("cuda"):
+            x = torch.full((1 << 20,), 2.0, device="cuda")
+        blocks.append(x.data_ptr())
+        torch.cuda._sleep(5_000_000)
+        total = x.sum()
+        del x
+        with torch.cuda.stream(other), ad.side_stream("cuda"):
+            y = torch.full((1 << 20,), -7.0, device="cuda")
+            blocks.append(y.data_ptr())
+        results.append(total.item())
+        other.synchronize()
+        del y
+    assert len(set(blocks)) < len(blocks), "no block was reused: the test proves nothing"
     assert results == [2.0 * (1 << 20)] * 20

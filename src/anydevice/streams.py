@@ -15,11 +15,12 @@ stream wait for the side stream on exit::
     C = B * 2                 # sees B's value
 
 Why this is also safe for memory: a tensor made inside the block is allocated from the side
-stream's pool. When it is freed later, after uses queued on the current stream, its block
-may be handed out again only to an allocation on the same side stream — and every use of
-the side stream through ``side_stream()`` starts by waiting for the current stream, so it
-waits for those uses too. No ``record_stream`` is needed (and none is made; its delayed,
-polled frees have grown memory in other libraries).
+stream's pool. When it is freed later, after uses queued on the stream the block was
+entered from, its block may be handed out again only to an allocation on the same side
+stream — and every use of the side stream through ``side_stream()`` starts by waiting for
+the current stream *and every stream it was entered from before*, so it waits for those
+uses too, whichever stream they were on. No ``record_stream`` is needed (and none is made;
+its delayed, polled frees have grown memory in other libraries).
 
 Streams are created once per device and reused: ``torch.cuda.Stream()`` hands out one of
 32 pooled streams round-robin, and each stream keeps its own allocator pool, so a new
@@ -83,14 +84,37 @@ class StreamCache:
         return len(self._items)
 
 
+class _Side:
+    """A side stream and the streams ``side_stream()`` was entered from on it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.homes: list[Any] = []  #: few: one per stream that ever entered it
+        self.lock = threading.Lock()
+
+    def enter_from(self, current: Any) -> None:
+        """Order the side stream after ``current`` and after every earlier home."""
+        with self.lock:
+            if all(current != h for h in self.homes):
+                self.homes.append(current)
+            homes = list(self.homes)
+        for home in homes:
+            self.stream.wait_stream(home)
+
+
 def _new_stream(index: int, priority: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index, priority=priority)
+
+
+def _new_side(index: int, priority: int) -> _Side:
+    return _Side(_new_stream(index, priority))
 
 
 # One stream per (device index, priority, role), for the whole process: streams are a
 # process resource that torch itself pools, and reusing ours keeps one allocator pool
 # and one ordering per role.
 _STREAMS = StreamCache(_new_stream)
+_SIDES = StreamCache(_new_side)
 
 
 def _cuda_device(device: DeviceLike | None) -> torch.device | None:
@@ -113,7 +137,7 @@ def _index(device: torch.device) -> int:
 
 def stream_for(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     """The side stream :func:`side_stream` uses on a CUDA ``device`` (created once, then reused)."""
-    return _STREAMS.get(_index(device), priority, "side")  # type: ignore[no-any-return]
+    return _SIDES.get(_index(device), priority, "side").stream  # type: ignore[no-any-return]
 
 
 def copy_stream(device: torch.device) -> torch.cuda.Stream:
@@ -133,9 +157,10 @@ def side_stream(
     """Run a block on a side stream, ordered with the current stream both ways.
 
     On entry the side stream waits for the work already queued on the current stream (so
-    it reads what was written before); on exit the current stream waits for the side
-    stream (so tensors made inside are safe to use outside). Without CUDA this is a no-op
-    context that yields None.
+    it reads what was written before) and on the streams earlier blocks were entered from
+    (so memory freed there is not reused under their reads); on exit the current stream
+    waits for the side stream (so tensors made inside are safe to use outside). Without
+    CUDA this is a no-op context that yields None.
 
     >>> import torch, anydevice as ad
     >>> with ad.side_stream("cpu") as s:
@@ -155,9 +180,10 @@ def side_stream(
     if dev is None:
         yield None
         return
-    stream = stream_for(dev, priority)
+    side = _SIDES.get(_index(dev), priority, "side")
+    stream = side.stream
     current = torch.cuda.current_stream(dev)
-    stream.wait_stream(current)
+    side.enter_from(current)
     try:
         with torch.cuda.stream(stream):
             yield stream
