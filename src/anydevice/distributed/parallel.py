@@ -6,7 +6,8 @@ than one rank, inside ``nn.DataParallel`` for ``strategy="dp"``, as it is in a w
 and the same optimizer with its state moved along. ``ad.unwrap(model)`` gives the user's
 module back. The loader is torch's ``DataLoader`` rebuilt around a ``DistributedSampler``
 (every setting of the original kept), inside a :class:`~anydevice.DeviceLoader` that
-delivers its batches on the rank's device and passes ``set_epoch`` to the sampler.
+delivers its batches on the rank's device and keeps the sampler's epoch: yours where you
+set it, advanced by one after each complete pass where you never do.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator
-from typing import Any, TypeVar, cast, overload
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ from anydevice.loader import DeviceLoader
 from anydevice.selection import DeviceLike
 
 __all__ = [
-    "ReshufflingSampler",
     "device_loader",
     "distributed_loader",
     "prepare",
@@ -46,28 +45,7 @@ __all__ = [
 
 logger = logging.getLogger("anydevice")
 
-T_co = TypeVar("T_co", covariant=True)
 _STRATEGIES = ("auto", "ddp", "dp", "none")
-
-
-class ReshufflingSampler(DistributedSampler[T_co]):
-    """A ``DistributedSampler`` that moves to the next epoch each time it is iterated.
-
-    A plain ``DistributedSampler`` deals the same permutation every epoch unless
-    ``set_epoch(epoch)`` is called before each one — an easy call to forget. This one
-    advances by itself; calling ``set_epoch`` still works (it sets the epoch the next
-    iteration uses), so code written for torch's sampler behaves the same. Every rank
-    iterates once per epoch, so all ranks stay on the same permutation.
-
-    >>> s = ReshufflingSampler(range(8), num_replicas=2, rank=0, shuffle=True)
-    >>> list(s) != list(s)
-    True
-    """
-
-    def __iter__(self) -> Iterator[T_co]:
-        indices = super().__iter__()  # torch computes the whole permutation here
-        self.epoch += 1
-        return indices
 
 
 @overload
@@ -137,8 +115,10 @@ def prepare(
             prefetch_factor, persistent_workers and multiprocessing context are kept.
             It comes back inside a :class:`~anydevice.DeviceLoader`: batches arrive on the
             rank's device (prefetched; on CUDA, pinned and copied on a side stream), and
-            ``set_epoch`` reaches the sampler. A ``DeviceLoader`` may be passed too: its
-            source is sharded and its ``transform``, ``prefetch`` and ``depth`` are kept.
+            the sampler's epoch is yours where you set it (``loader.set_epoch(e)`` or
+            ``loader.sampler.set_epoch(e)``), else advanced after each complete pass. A
+            ``DeviceLoader`` may be passed too: its source is sharded and its
+            ``transform``, ``prefetch`` and ``depth`` are kept.
         optimizer: its state (momentum, Adam moments) moves to the model's device.
         strategy: ``"auto"`` (DDP when the world has several ranks, else nothing);
             ``"ddp"`` (DDP whenever a process group exists, even of one rank);
@@ -205,7 +185,11 @@ def distributed_loader(
     >>> from torch.utils.data import DataLoader
     >>> shard = distributed_loader(DataLoader(range(10), batch_size=2, shuffle=True), 4, 1)
     >>> type(shard.sampler).__name__, shard.sampler.shuffle, len(shard.sampler)
-    ('ReshufflingSampler', True, 3)
+    ('DistributedSampler', True, 3)
+
+    The sampler is torch's own: on its own it deals the same order every epoch unless
+    ``set_epoch`` is called; inside a :class:`~anydevice.DeviceLoader` (as ``ad.prepare``
+    returns it) the epoch advances after each complete pass where you never set it.
 
     Raises:
         DistributedError: the loader cannot be sharded by a ``DistributedSampler``.
@@ -250,7 +234,7 @@ def distributed_loader(
             "and rank (for weighted sampling, draw with a generator seeded the same on "
             "every rank and keep every num_replicas-th index)."
         )
-    new_sampler: ReshufflingSampler[Any] = ReshufflingSampler(
+    new_sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
     )
     options = _loader_options(loader)
