@@ -41,13 +41,6 @@ def test_pinned_batch_arrives_whole(gpu):
     assert out["ids"][1] == "text"
 
 
-def test_cuda_without_index_means_the_current_device(gpu):
-    on_gpu = torch.ones(2, device=gpu)
-    assert ad.to(on_gpu, torch.device("cuda")) is on_gpu
-    assert ad.to(torch.ones(2), "cuda").device == gpu
-    assert ad.to({"t": on_gpu}, "gpu")["t"] is on_gpu
-
-
 def test_device_to_host_auto_is_blocking_so_the_result_is_ready(gpu):
     x = torch.full((1 << 22,), 3.0, device=gpu)
     torch.cuda._sleep(200_000_000)  # keep the stream busy so an early read would see garbage
