@@ -29,7 +29,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...: run it, log its time and exit st
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS
-  timeout -k 30 "$limit" "$@"
+  timeout -k 10 "$limit" "$@"
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" >> "$out/steps.txt"
   return $rc
