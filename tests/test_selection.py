@@ -17,8 +17,8 @@ from anydevice.selection import (
     select,
     select_all,
     try_gpu_in,
-    visible_value,
 )
+from anydevice.visibility import visible_value
 from machines import GiB, gpu, machine
 
 
