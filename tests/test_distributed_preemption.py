@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +142,60 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_resumes(tm
     assert extra == {"step": stop}
     rest = [train_step(net, opt, s) for s in range(extra["step"], STEPS)]
     assert rest == pytest.approx(reference[stop:], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- a real launcher
+
+JOB = """
+import sys, time, torch
+import anydevice as ad
+from torch import nn
+
+state = {"step": 0}
+def save():
+    ad.save_state(sys.argv[1], model=model, optimizer=opt, step=state["step"])
+
+with ad.distributed(timeout=60, on_preempt=save) as d:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model, opt = ad.prepare(net, optimizer=torch.optim.AdamW, strategy="fsdp")
+    for s in range(100_000):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        state["step"] = s + 1
+        if d.is_main and s == 5:
+            print("training", flush=True)
+        time.sleep(0.005)
+        d.check_preemption()
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_reaches_the_workers_which_save_a_whole_checkpoint(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    ckpt = tmp_path / "ckpt"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    argv = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(script), str(ckpt)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ANYDEVICE_DEVICE": "cpu"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the workers train
+            if "training" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler does
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert "got signal: 15" in out  # torchrun stopped on the signal and passed it on
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(net.parameters())
+    extra = ad.load_state(ckpt, model=net, optimizer=opt)
+    assert extra["step"] >= 6, out[-3000:]
+    assert opt.state_dict()["state"][0]["step"] == extra["step"]  # saved after that step
