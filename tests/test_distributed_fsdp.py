@@ -184,3 +184,36 @@ def test_fsdp_on_two_ranks_shards_trains_like_one_process_and_keeps_the_objects(
         assert facts["bf16_output"] == "torch.bfloat16"  # parameters gathered in bf16
         assert facts["grad_dtype"] == "torch.float32"  # reduced into fp32 shards
         assert facts["factory_params_sharded"]
+
+
+# ----------------------------------------------------------------------------- a GPU
+
+
+@pytest.mark.cuda
+def test_fully_shard_on_a_gpu_gathers_in_bf16_and_offloads_to_the_host(monkeypatch):
+    from anydevice.distributed import sharding
+    from ranks import free_port
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with ad.distributed(timeout=60) as d:
+        assert d.device.type == "cuda"
+        p = ad.precision(d.device)
+        expected = None if p.mode == "fp32" else p.dtype
+        assert mixed_precision("auto", d.device).param_dtype == expected  # by hardware
+        net = Net()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        names = sharding.parameter_names(net)
+        sharding.fully_shard_model(net, d.device, 1, mode="bf16", cpu_offload=True)
+        sharding.swap_parameters(opt, names, net)
+        assert net.stem.weight.to_local().device.type == "cpu"  # offloaded shard
+        assert net.stem.weight.to_local().is_pinned()
+        out = net(torch.randn(4, 6, device=d.device))
+        assert out.device.type == "cuda" and out.dtype == torch.bfloat16
+        out.float().pow(2).mean().backward()
+        assert net.stem.weight.grad.to_local().dtype == torch.float32
+        before = net.stem.weight.to_local().clone()  # a world of one: the whole tensor
+        opt.step()
+        assert not torch.equal(before, net.stem.weight.to_local())
+        del net, opt, out

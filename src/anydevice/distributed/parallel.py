@@ -190,7 +190,9 @@ def prepare(
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use one of {', '.join(_STRATEGIES)}.")
     rank, size, dev = _where(device)
-    module = _place(model, dev)
+    # fully_shard moves each block to the device as it shards it: moving the whole model
+    # first would need room for all of it (and for a model made on "meta", fail).
+    module = model if strategy == "fsdp" and size > 1 else _place(model, dev)
     given = factory = None
     if isinstance(optimizer, torch.optim.Optimizer):
         given = optimizer
