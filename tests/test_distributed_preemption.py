@@ -55,6 +55,7 @@ def test_a_signal_is_acted_on_at_the_next_check_and_handlers_are_restored(tmp_pa
         assert signal.getsignal(signal.SIGTERM) is not before
         d.check_preemption()  # nothing yet
         os.kill(os.getpid(), signal.SIGTERM)  # a real signal: only recorded, no exit here
+        os.kill(os.getpid(), signal.SIGTERM)  # again (srun and torchrun): still only recorded
         assert d.preemption.received == signal.SIGTERM and calls == []
         with pytest.raises(SystemExit) as stopped:
             d.check_preemption()

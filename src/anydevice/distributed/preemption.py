@@ -23,8 +23,10 @@ turns them into a clean stop:
    requeued: it also means ``scancel``, and SLURM requeues preempted jobs itself when
    its configuration says so. A job that may not be requeued gets a warning.
 
-A second signal of the same kind before the next check restores the previous handler and
-delivers it again: a loop that never calls ``check_preemption`` can still be stopped.
+Repeated signals change nothing: a job often gets the same ``SIGTERM`` twice (from
+``srun`` and again from torchrun passing it on), and acting on the second would kill a rank
+in the middle of its save. A loop that never calls ``check_preemption`` is ended by the
+scheduler's ``SIGKILL`` after its grace period, as it would have been without us.
 """
 
 from __future__ import annotations
@@ -128,11 +130,6 @@ class Preemption:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
-        if self._seen == sig:  # the second one: give up waiting for a check
-            previous = self._previous.pop(sig, signal.SIG_DFL)
-            signal.signal(sig, previous)
-            signal.raise_signal(sig)
-            return
         if self._seen is None or _RANK[sig] > _RANK[self._seen]:
             self._seen = sig
 
