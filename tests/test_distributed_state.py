@@ -209,6 +209,10 @@ def test_sharded_checkpoints_resume_on_one_and_three_ranks_and_across_ddp_and_fs
     with pytest.raises(ad.CheckpointError, match="holds no optimizer state"):
         ad.load_state(folder / "model-only", model=net, optimizer=opt)
 
+    # a world of one saves its single file over a folder
+    ad.save_state(folder / "ddp", model=net, step=5)
+    assert (folder / "ddp").is_file() and ad.load_state(folder / "ddp", model=net) == {"step": 5}
+
     # a crash between the two renames: the previous checkpoint is aside, and found
     aside = folder / ".fsdp.0badc0de.old"
     (folder / "fsdp").rename(aside)

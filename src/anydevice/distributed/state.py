@@ -93,6 +93,10 @@ def save_state(
     rank, size = _world()
     if size == 1:
         state = {"format": _FORMAT, "model": model_state, "optimizer": optim_state, "extra": extra}
+        if target.is_dir():  # a folder saved by several ranks: replaced the same way
+            tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+            _replace(checkpoint.save(state, tmp), target)
+            return target
         return checkpoint.save(state, target)
     return _save_sharded(target, rank, size, model_state, optim_state, extra)
 
