@@ -26,7 +26,7 @@ DOCUMENTED = {
     # many devices, many machines
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
-    "prepare", "share", "unwrap",
+    "load_state", "prepare", "save_state", "share", "unwrap",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

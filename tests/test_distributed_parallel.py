@@ -77,8 +77,8 @@ def test_a_device_loader_keeps_its_settings_and_is_not_wrapped_twice():
 
 
 def test_unknown_strategy_is_named():
-    with pytest.raises(ValueError, match="strategy='fsdp'"):
-        ad.prepare(nn.Linear(1, 1), strategy="fsdp")
+    with pytest.raises(ValueError, match="strategy='zero3'"):
+        ad.prepare(nn.Linear(1, 1), strategy="zero3")
 
 
 def test_dataparallel_on_cpu_warns_and_does_not_wrap():
