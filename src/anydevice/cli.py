@@ -14,15 +14,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from anydevice._version import __version__
 
 __all__ = ["main"]
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
+    # A NamedTuple, not a dataclass: ``dataclasses`` costs ``--help`` a tenth of its time.
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]

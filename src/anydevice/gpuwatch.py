@@ -14,13 +14,16 @@ import dataclasses
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anydevice.inventory import ProcessInfo
 
-__all__ = ["GpuReading", "HostReading", "Reading", "Watcher"]
+if TYPE_CHECKING:
+    from anydevice.backends.nvml import GpuRecord
+
+__all__ = ["GpuReading", "HostReading", "Reading", "Watcher", "gpu_readings"]
 
 SCHEMA = "anydevice.top/1"
 
@@ -149,7 +152,6 @@ class Watcher:
 
     def _gpus(self) -> tuple[tuple[GpuReading, ...], tuple[str, ...]]:
         from anydevice.backends import nvml
-        from anydevice.backends.cuda import visible_devices
 
         try:
             driver = nvml.read(telemetry=True)
@@ -157,29 +159,43 @@ class Watcher:
             return (), (f"no GPU: {e}.",)
         if not driver.gpus:
             return (), ("no GPU: NVML sees no NVIDIA GPU in this machine.",)
-        vis = visible_devices(
-            driver.gpus,
-            self._environ.get("CUDA_VISIBLE_DEVICES"),
-            self._environ.get("CUDA_DEVICE_ORDER"),
-        )
-        cuda_index = {r.uuid: i for i, r in enumerate(vis.devices)}
-        out = []
-        for g in driver.gpus:
-            for r in (g, *g.mig_devices):
-                out.append(
-                    GpuReading(
-                        smi_index=r.smi_index,
-                        cuda_index=cuda_index.get(r.uuid),
-                        uuid=r.uuid,
-                        name=r.name,
-                        memory_used=r.memory_used,
-                        memory_total=r.memory_total,
-                        utilization=r.utilization,
-                        temperature=r.temperature,
-                        power=r.power,
-                        power_limit=r.power_limit,
-                        processes=r.processes,
-                        mig_parent=r.mig_parent,
-                    )
+        return gpu_readings(driver.gpus, self._environ)
+
+
+def gpu_readings(
+    gpus: Sequence[GpuRecord], environ: Mapping[str, str]
+) -> tuple[tuple[GpuReading, ...], tuple[str, ...]]:
+    """NVML's records as readings, each MIG device after its GPU, with CUDA's index (pure).
+
+    >>> from anydevice.backends.nvml import GpuRecord
+    >>> a = GpuRecord(smi_index=0, uuid="GPU-a", name="A", pci_bus_id="0000:01:00.0")
+    >>> b = GpuRecord(smi_index=1, uuid="GPU-b", name="A", pci_bus_id="0000:02:00.0")
+    >>> [g.cuda_index for g in gpu_readings([a, b], {"CUDA_VISIBLE_DEVICES": "1"})[0]]
+    [None, 0]
+    """
+    from anydevice.backends.cuda import visible_devices
+
+    vis = visible_devices(
+        gpus, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER")
+    )
+    cuda_index = {r.uuid: i for i, r in enumerate(vis.devices)}
+    out = []
+    for g in gpus:
+        for r in (g, *g.mig_devices):
+            out.append(
+                GpuReading(
+                    smi_index=r.smi_index,
+                    cuda_index=cuda_index.get(r.uuid),
+                    uuid=r.uuid,
+                    name=r.name,
+                    memory_used=r.memory_used,
+                    memory_total=r.memory_total,
+                    utilization=r.utilization,
+                    temperature=r.temperature,
+                    power=r.power,
+                    power_limit=r.power_limit,
+                    processes=r.processes,
+                    mig_parent=r.mig_parent,
                 )
-        return tuple(out), vis.notes
+            )
+    return tuple(out), vis.notes

@@ -1,9 +1,14 @@
 """Which torch is installed, and what it was built for, read without importing it.
 
 ``import torch`` takes seconds; its version and build are plain text in ``torch/version.py``
-(``__version__``, ``cuda``, ``hip``, ``xpu``) and in the installed package metadata. The
-command line reads them from there, so ``anydevice info`` answers in a fraction of a second.
-Once torch is imported, its module is the authority and is read instead.
+(``__version__``, ``cuda``, ``hip``, ``xpu``), and the libraries and device extensions
+installed beside it are named by their ``*.dist-info`` directories. The command line reads
+them from there, so ``anydevice info`` answers in a fraction of a second. Once torch is
+imported, its module is the authority and is read instead.
+
+The ``*.dist-info`` directories are read directly rather than through
+``importlib.metadata``, whose own import (email, zipfile, csv) costs more than the rest of
+``anydevice info`` together.
 
 >>> build = read()
 >>> build is not None and build.version.startswith("2.")
@@ -13,9 +18,11 @@ True
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import importlib.util
+import os
+import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,9 +75,8 @@ def read() -> TorchBuild | None:
     values = _assignments(Path(next(iter(spec.submodule_search_locations))) / "version.py")
     version = values.get("__version__")
     if not isinstance(version, str):
-        try:
-            version = importlib.metadata.version("torch")
-        except importlib.metadata.PackageNotFoundError:
+        version = library_version("torch", parts=None)
+        if version is None:
             return None
     return TorchBuild(
         version=version,
@@ -106,8 +112,8 @@ def _text(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def library_version(*distributions: str) -> str | None:
-    """The version of the first installed distribution named, as ``major.minor.patch``.
+def library_version(*distributions: str, parts: int | None = 3) -> str | None:
+    """The version of the first installed distribution named, cut to ``parts`` numbers.
 
     torch's CUDA wheels load cuDNN and NCCL from the ``nvidia-cudnn-cu12`` /
     ``nvidia-nccl-cu12`` (or ``-cu13``) packages, so their versions are the libraries'.
@@ -115,12 +121,15 @@ def library_version(*distributions: str) -> str | None:
     >>> library_version("no-such-distribution") is None
     True
     """
-    for name in distributions:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        return ".".join(version.split(".")[:3])
+    wanted = [_normalise(name) for name in distributions]
+    found: dict[str, str] = {}
+    for info in _dist_infos():
+        name, _, version = info.name[: -len(".dist-info")].partition("-")
+        found.setdefault(_normalise(name), version)
+    for name in wanted:
+        if name in found:
+            version = found[name]
+            return version if parts is None else ".".join(version.split(".")[:parts])
     return None
 
 
@@ -128,5 +137,39 @@ def device_extensions() -> tuple[str, ...]:
     """Out-of-tree device backends torch loads when imported (entry points ``torch.backends``).
 
     They register a ``privateuse1`` device (Ascend NPU, ...) only once torch is imported.
+
+    >>> isinstance(device_extensions(), tuple)
+    True
     """
-    return tuple(sorted(ep.name for ep in importlib.metadata.entry_points(group="torch.backends")))
+    names: set[str] = set()
+    for info in _dist_infos():
+        try:
+            text = (info / "entry_points.txt").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        if "[torch.backends]" not in text:
+            continue
+        section = text.split("[torch.backends]", 1)[1].split("\n[", 1)[0]
+        names.update(m.group(1) for m in re.finditer(r"^\s*([^#=\s][^=]*?)\s*=", section, re.M))
+    return tuple(sorted(names))
+
+
+def _dist_infos() -> Iterator[Path]:
+    """Every installed distribution's ``*.dist-info`` directory, in ``sys.path`` order."""
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as it:
+                names = [e.name for e in it if e.name.endswith(".dist-info")]
+        except OSError:
+            continue
+        for name in names:
+            yield Path(entry or ".") / name
+
+
+def _normalise(name: str) -> str:
+    """A distribution name as PEP 503 compares them.
+
+    >>> _normalise("Nvidia_CUDNN.cu12")
+    'nvidia-cudnn-cu12'
+    """
+    return re.sub(r"[-_.]+", "-", name).lower()
