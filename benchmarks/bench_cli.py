@@ -8,6 +8,12 @@ and ``info`` no longer imports it). ``python -c pass`` is the interpreter's own 
 Each command runs as a user runs it (the console script), from bytecode, interleaved
 round by round so drift hits all alike; the median is reported with its spread.
 ``select`` exits 1 on a machine without a GPU, saying so: that answer is timed too.
+
+Wall time is what the targets are about, but on a shared machine it mostly measures the
+other work; the CPU time each command used (user + system, from ``getrusage``) is recorded
+beside it (``cli-cpu-time``), as it varies far less with the load. On an idle machine the
+wall time is about the CPU time plus the deliberate waits: ``info``'s 50 ms CPU
+utilisation sample and ``top``'s 100 ms first CPU reading.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,15 +36,19 @@ HELP_TARGET_S = 0.3
 COMMAND_TARGET_S = 0.5
 
 
-def wall(argv: Sequence[str], ok: tuple[int, ...] = (0,)) -> Callable[[], float]:
-    """A function that runs ``argv`` and returns its wall time (exit code must be in ``ok``)."""
+def wall(argv: Sequence[str], cpu: list[float], ok: tuple[int, ...] = (0,)) -> Callable[[], float]:
+    """A function that runs ``argv`` and returns its wall time (exit code must be in ``ok``),
+    appending the CPU time it used to ``cpu``."""
 
     def go() -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         elapsed = time.perf_counter() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if proc.returncode not in ok:
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        cpu.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
         return elapsed
 
     return go
@@ -70,23 +81,28 @@ def main() -> None:
         "anydevice select -n 1": ([ad, "select", "-n", "1"], (0, 1)),
         "anydevice top --once": ([ad, "top", "--once"], (0,)),
     }
-    timers: dict[str, Callable[[], float]] = {
-        "python -c pass (floor)": wall(python("pass")),
-        "python -c 'import torch'": wall(python("import torch")),
-        **{label: wall(argv) for label, argv in helps.items()},
-        **{label: wall(argv, ok) for label, (argv, ok) in commands.items()},
-        "anydevice info --json --torch": wall([ad, "info", "--json", "--torch"]),
+    argvs: dict[str, tuple[list[str], tuple[int, ...]]] = {
+        "python -c pass (floor)": (python("pass"), (0,)),
+        "python -c 'import torch'": (python("import torch"), (0,)),
+        **{label: (argv, (0,)) for label, argv in helps.items()},
+        **commands,
+        "anydevice info --json --torch": ([ad, "info", "--json", "--torch"], (0,)),
     }
     peers = []
     for tool, argv in (("gpustat", ["--json"]), ("nvidia-smi", [])):
         exe = shutil.which(tool, path=bindir) or shutil.which(tool)
         if exe is not None and subprocess.run([exe, *argv], capture_output=True).returncode == 0:
-            timers[f"{tool} {' '.join(argv)}".strip()] = wall([exe, *argv])
+            argvs[f"{tool} {' '.join(argv)}".strip()] = ([exe, *argv], (0,))
             peers.append(tool)
+    cpu: dict[str, list[float]] = {label: [] for label in argvs}
+    timers = {label: wall(argv, cpu[label], ok) for label, (argv, ok) in argvs.items()}
 
     result = Result("cli-wall-time", "s", baseline="python -c 'import torch'")
+    load_before = os.getloadavg()[0]
     for label, samples in run_interleaved(timers, args.rounds).items():
         result.add(label, samples)
+    # Other work on the machine slows every row alike; the load says how busy it was.
+    result.extra["load_average_1min"] = [load_before, os.getloadavg()[0]]
     slow = [k for k in helps if result.rows[k] > HELP_TARGET_S]
     slow += [k for k in commands if result.rows[k] > COMMAND_TARGET_S]
     result.extra["targets_s"] = {"help": HELP_TARGET_S, "commands": COMMAND_TARGET_S}
@@ -97,10 +113,16 @@ def main() -> None:
     )
     speedup = result.rows["python -c 'import torch'"] / result.rows["anydevice info --json"]
     result.notes.append(f"anydevice info --json is {speedup:.1f}x faster than importing torch")
+    cpu_result = Result("cli-cpu-time", "s", baseline="python -c 'import torch'")
+    for label, samples in cpu.items():
+        cpu_result.add(label, samples)
+    cpu_result.extra["load_average_1min"] = result.extra["load_average_1min"]
+    cpu_result.notes.append("user + system CPU time of each command: steadier than wall time")
     missing = sorted({"gpustat", "nvidia-smi"} - set(peers))
     if missing:
         result.notes.append(f"not installed or no GPU, not measured: {', '.join(missing)}")
     save(result)
+    save(cpu_result)
 
 
 if __name__ == "__main__":
