@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anydevice.choice import choose_free, free_key
+from anydevice.choice import choose_free, cuda_indices, free_key
+from anydevice.errors import VisibilityError
 from anydevice.selection import Spec, select, select_all
-from machines import GiB, gpu, machine
+from machines import GiB, gpu, machine, mig, record
 
 
 def specs(choice):
@@ -72,3 +73,28 @@ def test_choose_free_is_the_rule_of_device_free(readings):
     ranked = choose_free(gpus, len(gpus)).picked
     assert list(ranked) == select_all(Spec("free"), inv)
     assert list(ranked) == sorted(gpus, key=free_key)
+
+
+# ----------------------------------------------------------------------------- --format index
+
+
+def test_indices_are_cudas_among_all_gpus_whatever_is_visible_now():
+    records = [record(0), record(1), record(2)]
+    # This shell sees only smi 2 and 0 (as cuda:0 and cuda:1); a new value names them 2 and 0.
+    picked = [gpu(0, smi=2, uuid=records[2].uuid), gpu(1, smi=0, uuid=records[0].uuid)]
+    assert cuda_indices(picked, records, None) == [2, 0]
+
+
+def test_indices_of_different_models_need_pci_bus_order():
+    records = [record(0, "T4"), record(1, "H100")]
+    picked = [gpu(0, "H100", smi=1, uuid=records[1].uuid)]
+    with pytest.raises(VisibilityError, match="CUDA_DEVICE_ORDER=PCI_BUS_ID"):
+        cuda_indices(picked, records, None)
+    assert cuda_indices(picked, records, "PCI_BUS_ID") == [1]
+
+
+def test_mig_devices_have_no_index():
+    parent = mig(record(0), 1)
+    picked = [gpu(0, uuid=parent.mig_devices[0].uuid, mig_parent=parent.uuid)]
+    with pytest.raises(VisibilityError, match="MIG devices are named by UUID only"):
+        cuda_indices(picked, [parent], None)

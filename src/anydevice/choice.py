@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from anydevice.errors import DeviceNotFoundError, VisibilityError
 from anydevice.inventory import DeviceInfo, format_bytes
 
-__all__ = ["Choice", "choose_free", "free_key", "select_visible"]
+if TYPE_CHECKING:
+    from anydevice.backends.nvml import GpuRecord
+
+__all__ = ["Choice", "choose_free", "cuda_indices", "free_key", "select_visible"]
 
 
 def free_key(d: DeviceInfo) -> tuple[float, float, int]:
@@ -133,21 +137,35 @@ def select_visible(
         raise DeviceNotFoundError(choice.explain())
     if form == "uuid":
         return ",".join(str(d.uuid) for d in choice.picked)
-    return ",".join(str(i) for i in _cuda_indices(choice.picked, env.get("CUDA_DEVICE_ORDER")))
-
-
-def _cuda_indices(picked: Sequence[DeviceInfo], device_order: str | None) -> list[int]:
-    """Each GPU's index in CUDA's order of all GPUs (no ``CUDA_VISIBLE_DEVICES``)."""
     from anydevice.backends import nvml
+
+    gpus_here = nvml.read(telemetry=False).gpus
+    return ",".join(
+        str(i) for i in cuda_indices(choice.picked, gpus_here, env.get("CUDA_DEVICE_ORDER"))
+    )
+
+
+def cuda_indices(
+    picked: Sequence[DeviceInfo], gpus: Sequence[GpuRecord], device_order: str | None
+) -> list[int]:
+    """Each picked GPU's index in CUDA's order of all of NVML's ``gpus`` (pure).
+
+    That is how a new ``CUDA_VISIBLE_DEVICES`` reads an index, whatever the current one
+    hides.
+
+    Raises:
+        VisibilityError: a MIG device (named by UUID only), or GPUs of different models
+            without ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, whose CUDA order is CUDA's own guess.
+    """
     from anydevice.backends.cuda import visible_devices
 
     migs = [d.spec for d in picked if d.mig_parent is not None]
     if migs:
         raise VisibilityError(
-            f"{', '.join(migs)} are MIG devices, which CUDA_VISIBLE_DEVICES names by UUID "
-            "only; use --format uuid."
+            f"{', '.join(migs)}: MIG devices are named by UUID only in CUDA_VISIBLE_DEVICES; "
+            "use --format uuid."
         )
-    every = visible_devices(nvml.read(telemetry=False).gpus, None, device_order)
+    every = visible_devices(gpus, None, device_order)
     if every.guessed:
         raise VisibilityError(
             "the GPUs here differ and CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA numbers "
