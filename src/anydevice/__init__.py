@@ -213,6 +213,7 @@ _SOURCES: dict[str, str] = {
 
 
 def __getattr__(name: str) -> Any:
+    """Load a public name from its module on first use (PEP 562)."""
     module = _SOURCES.get(name)
     if module is None:
         raise AttributeError(f"module 'anydevice' has no attribute {name!r}")
@@ -222,6 +223,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
+    """The public names, loaded or not, and what is already here."""
     return sorted({*globals(), *__all__})
 
 
