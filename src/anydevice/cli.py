@@ -118,9 +118,9 @@ def _top(args: argparse.Namespace) -> int:
 def _select_args(p: argparse.ArgumentParser) -> None:
     p.epilog = (
         "Prints a CUDA_VISIBLE_DEVICES value for the N freest GPUs by ad.device('free')'s "
-        "rule (most free memory, then least busy), e.g. "
-        "export CUDA_VISIBLE_DEVICES=$(anydevice select -n 2). Exits 1, saying why, when "
-        "fewer GPUs qualify."
+        "rule (most free memory, then least busy), e.g. gpus=$(anydevice select -n 2) && "
+        "export CUDA_VISIBLE_DEVICES=$gpus. Exits 1, saying why, when fewer GPUs qualify "
+        "(and prints nothing, which as CUDA_VISIBLE_DEVICES would hide every GPU)."
     )
     p.add_argument(
         "-n", dest="n", type=_positive_int, default=1, metavar="N", help="GPUs (default 1)"
