@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -30,8 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from anydevice.choice import free_key as _free_key
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
 from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, Inventory, format_bytes, inventory
+from anydevice.inventory import parse_size as parse_size  # its home moved; same public name
 
 __all__ = [
     "DeviceLike",
@@ -59,13 +60,6 @@ _KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
 _ALIASES = {"tpu": "xla"}
 _GPU_KINDS = ("cuda", "xpu", "mps")
 _INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,38 +73,6 @@ class Spec:
 
     def __str__(self) -> str:
         return self.text or (self.kind if self.index is None else f"{self.kind}:{self.index}")
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from ``8 * 2**30``, ``"8GiB"``, ``"8G"`` (binary) or ``"8GB"`` (decimal).
-
-    >>> parse_size("8GiB") == parse_size("8G") == 8 * 2**30
-    True
-    >>> parse_size("1.5 GB")
-    1500000000
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(
-            f"a memory size is a number of bytes or text such as '8GiB', not "
-            f"{type(value).__name__} ({value!r})"
-        )
-    if isinstance(value, float) and not math.isfinite(value):
-        raise DeviceSpecError(
-            f"a memory size must be a finite number of bytes, not {value!r}; write e.g. "
-            "'8GiB' or 8 * 2**30"
-        )
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise DeviceSpecError(f"a memory size cannot be negative (got {value!r})")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise DeviceSpecError(
-            f"cannot read {value!r} as a memory size; write e.g. '8GiB', '512MiB', '8GB' "
-            "or a number of bytes"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
@@ -299,12 +261,6 @@ def _auto(
             return found[rank % len(found)]
         return _current_first(found, current.get(kind))[0]
     return _check_memory(inv.cpu, need, inv, spec)
-
-
-def _free_key(d: DeviceInfo) -> tuple[float, float, int]:
-    free = d.memory_free if d.memory_free is not None else -1
-    util = d.utilization if d.utilization is not None else 0.0
-    return (-free, util, d.index or 0)
 
 
 def _freest(inv: Inventory, need: int | None, spec: Spec) -> DeviceInfo:
