@@ -40,6 +40,8 @@ __all__ = ["Budget", "Comparison", "Slot", "Timed", "compare", "sized"]
 MAX_SAMPLES = 15
 #: Samples a timing aims for before it grows the problem further.
 MIN_SAMPLES = 5
+#: A call this many times ``sample`` long is large enough: the problem stops growing.
+LONG_ENOUGH = 20
 
 
 class Budget:
@@ -121,7 +123,9 @@ def sized(
     one call slowed by another process does not stop the growth); the next size is tried
     only when the slowest
     variant, scaled by ``work(next) / work(size)``, predicts that its calls there and
-    :data:`MIN_SAMPLES` samples still fit, and while a call is shorter than ``sample``.
+    :data:`MIN_SAMPLES` samples still fit, and while a call is shorter than
+    :data:`LONG_ENOUGH` x ``sample`` (large problems are what users run; tiny ones time
+    launch overheads).
     Then rounds of samples, one per variant in turn, each sample at least ``sample`` long,
     until the slot's time or :data:`MAX_SAMPLES` rounds run out. When not even one round
     fits, the timed probe calls are the samples.
@@ -165,7 +169,7 @@ def sized(
     for i, size in enumerate(sizes):
         fns = tuple(make(size))
         probes = [probe(k, fn) for k, fn in enumerate(fns)]
-        if i + 1 == len(sizes) or max(p[0] for p in probes) >= sample:
+        if i + 1 == len(sizes) or max(p[0] for p in probes) >= LONG_ENOUGH * sample:
             break
         ratio = work(sizes[i + 1]) / max(work(size), 1e-30)
         per_round = sum(max(p[1] * ratio, sample) for p in probes)

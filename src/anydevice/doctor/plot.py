@@ -78,7 +78,7 @@ def plot(m: Measurements, path: str | Path, inv: Inventory | None = None) -> Pat
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(16, 10.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 2, figsize=(16, 9), constrained_layout=True)
     try:
         devices = list(dict.fromkeys([*(d.device for d in m.devices),
                                       *(r.device for r in m.results)]))  # fmt: skip
@@ -138,8 +138,8 @@ def _rates(ax: Any, results: Sequence[Measured], names: Sequence[str], devices: 
             ax.plot([p, p], [i - 0.42, i + 0.42], color="black", linewidth=2.5)
             label += f"  ({v / p:.0%} of {_human(p, unit)} peak)"
         ax.text(v, i, "  " + label, va="center", fontsize=9)
-    ax.set_yticks(range(len(rows)), [f"{r.device}  {r.name}" for r in rows], fontsize=9)
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(rows)), [f"{r.device}  {_short(r.title)}" for r in rows], fontsize=9)
+    ax.set_ylim(max(len(rows), 3) - 0.5, -0.5)  # a few bars stay bars, not slabs
     if log:
         ax.set_xscale("log")
         ax.set_xlim(min(values) / 2, top * 40)
@@ -168,13 +168,13 @@ def _levers(ax: Any, levers: Sequence[Lever]) -> None:
             ax.plot([lv.low, lv.high], [i, i], color="black", linewidth=1.5)
         words = {"use": "use", "slower": "slower: leave off", "no-gain": "no gain"}[verdict]
         if not lv.clear:
-            words = "no clear difference"
+            words = "no clear difference" if lv.pairs >= 3 else f"{lv.pairs} pair(s): no verdict"
         spread = f" ±{lv.spread:.0%}" if lv.spread is not None else ""
         text = f"{s:.2f}x{spread}  {words}" + (" *" if lv.noisy else "")
         ax.text(max(s, lv.high or s), i, "  " + text, va="center", fontsize=9)
-    labels = [f"{lv.device}  {lv.name}" for lv in measured]
+    labels = [f"{lv.device}  {lv.title}" for lv in measured]
     ax.set_yticks(range(len(measured)), labels, fontsize=9)
-    ax.invert_yaxis()
+    ax.set_ylim(max(len(measured), 3) - 0.5 + 0.3 * len(absent), -0.5)
     ax.set_xscale("log")
     span = [v for lv in measured for v in (lv.low or lv.speedup or 1.0, lv.high or 1.0)]
     lo, hi = min([0.8, *span]), max([1.25, *span])
@@ -189,9 +189,15 @@ def _levers(ax: Any, levers: Sequence[Lever]) -> None:
     ax.grid(axis="x", alpha=0.3)
     if absent:
         lines = [f"{lv.device} {lv.name}: n/a, {lv.note}" for lv in absent]
-        ax.text(0.01, 0.01, "\n".join(_clip(line, 95) for line in lines), transform=ax.transAxes,
-                fontsize=8, color="#616161", va="bottom")  # fmt: skip
-        ax.set_ylim(len(measured) + 0.6 * len(absent) + 0.2, -0.8)
+        ax.text(0.01, 0.01, "\n".join(_clip(line, 100) for line in lines), transform=ax.transAxes,
+                fontsize=8, color="#616161", va="bottom",
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9})  # fmt: skip
+
+
+def _short(title: str) -> str:
+    """ "host -> device, pinned memory" reads "host→device pinned"."""
+    return (title.replace(" -> ", "→").replace(", ", " ").replace(" memory", "")
+            .replace(" (read + write)", "").replace(" (TF32 off)", ", TF32 off"))  # fmt: skip
 
 
 def _clip(text: str, width: int) -> str:
@@ -221,7 +227,7 @@ def _steps(ax: Any, m: Measurements) -> None:
         ax.barh(i, seconds, color=color, height=0.6)
         ax.text(seconds, i, f"  {format_time(seconds)} per step{extra}", va="center", fontsize=9)
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=9)
-    ax.invert_yaxis()
+    ax.set_ylim(max(len(bars), 3) - 0.5, -0.5)
     if log:
         ax.set_xscale("log")
         ax.set_xlim(min(b[1] for b in bars) / 2, top * 40)
@@ -230,6 +236,6 @@ def _steps(ax: Any, m: Measurements) -> None:
     from matplotlib.ticker import FuncFormatter
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_time(x)))
-    ax.set_title(f"the same step on every device (shorter is faster): {m.step}", loc="left",
-                 fontsize=10)  # fmt: skip
+    ax.set_title(f"the same training step on every device (shorter is faster)\n{m.step}",
+                 loc="left")  # fmt: skip
     ax.grid(axis="x", alpha=0.3)
