@@ -116,10 +116,10 @@ def test_a_deliberately_slow_lever_is_cut_to_its_slot():
         return (lambda: time.sleep(size / 1000),)
 
     start = time.perf_counter()
-    timed = sized(make, [1, 10, 100, 1000, 4000], Budget(10).slot(0.3), sample=0.5)
+    timed = sized(make, [1, 10, 100, 1000, 4000], Budget(10).slot(0.4), sample=0.5)
     wall = time.perf_counter() - start
-    assert wall < 3.0 + 0.5, wall
-    assert timed.size == 100 and timed.capped  # 1 s calls would not have fit in 3 s
+    assert wall < 4.0 + 0.5, wall
+    assert timed.size == 100 and timed.capped  # 1 s calls would not have fit in 4 s
     assert 0.09 < timed.median() < 0.2
     assert len(timed.times[0]) >= 3
 

@@ -203,8 +203,9 @@ class Comparison:
 
     Each pair ``(without, with)`` was taken back to back, so a disturbance that slows one
     sample of a pair tends to slow its partner too; the ratio of each pair is a speed-up,
-    and their interquartile range is the spread. With fewer than four pairs the range is
-    the lowest to the highest ratio.
+    and the range of the middle 80 % of them (10th to 90th percentile) is the spread: a
+    verdict needs all of it on one side of 1x, so a few disturbed pairs cannot make one.
+    With fewer than five pairs the spread is the lowest to the highest ratio.
 
     >>> c = compare((2.0, 2.1, 1.9, 2.0), (1.0, 1.0, 1.0, 1.0))
     >>> round(c.speedup, 2), c.clear
@@ -236,8 +237,8 @@ def compare(without: Sequence[float], with_: Sequence[float]) -> Comparison:
     ratios = sorted(a / b for a, b in zip(without, with_, strict=False) if b > 0)
     if not ratios:
         raise ValueError("compare() needs at least one pair of positive times")
-    if len(ratios) < 4:
+    if len(ratios) < 5:
         low, high = ratios[0], ratios[-1]
     else:
-        low, high = _quantile(ratios, 0.25), _quantile(ratios, 0.75)
+        low, high = _quantile(ratios, 0.1), _quantile(ratios, 0.9)
     return Comparison(_quantile(ratios, 0.5), low, high, len(ratios))

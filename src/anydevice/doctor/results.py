@@ -62,8 +62,8 @@ class Lever:
     baseline: float | None = None  #: median seconds per operation without the lever
     lever: float | None = None  #: with it
     note: str = ""  #: why it does not apply here, when it does not
-    low: float | None = None  #: the spread of the pairs' speed-ups: lower end
-    high: float | None = None  #: upper end
+    low: float | None = None  #: the spread of the pairs' speed-ups (10th percentile)
+    high: float | None = None  #: its upper end (90th percentile)
     noisy: bool = False  #: a wide spread, few pairs, or other processes were busy
     pairs: int = 0  #: interleaved A/B pairs behind the spread
 
