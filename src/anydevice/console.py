@@ -213,7 +213,7 @@ def levers_table(m: Measurements) -> Table:
     for lv in m.levers:
         label, style = _VERDICT_STYLE[lv.verdict]
         if lv.verdict == "no-gain" and not lv.clear:
-            label = "– no clear\n  difference"
+            label = "– no clear\n  difference" if lv.pairs >= 3 else "– too few\n  pairs"
         if lv.noisy:
             label += "\n(noisy)"
         what = Text(lv.title, style="bold")

@@ -281,11 +281,11 @@ def _threads_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
                 "the machine's load was not read")  # fmt: skip
         run.levers.append(Lever(info.spec, "threads", title, "", "", note=note))
         return
-    batch, width = run.step_size or (8, run.plan.step[1])
+    largest, width = run.step_size or run.plan.step
     with strict_fp32():
         timed = sized(
             lambda b: 2 * _mlp_pair(info, (b, width))[:1],
-            [batch],
+            powers(1, largest),
             slot,
             device=info.torch_device,
             sample=run.plan.sample,
@@ -294,6 +294,7 @@ def _threads_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
                 functools.partial(threads_set, free),
             ),
         )
+    batch = timed.size
     workload = (f"the MLP training step (4 x {width}, batch {batch}), {threads} thread(s) "
                 f"against {free}, while other processes kept cores busy")  # fmt: skip
     how = f"torch.set_num_threads({free}) (or OMP_NUM_THREADS={free} before starting Python)"

@@ -259,7 +259,8 @@ def _mark_noisy(run: Run, before: tuple[int, int]) -> None:
         r = run.results[i]
         run.results[i] = dataclasses.replace(r, noisy=True, detail=r.detail + busy)
     for i in range(before[1], len(run.levers)):
-        run.levers[i] = dataclasses.replace(run.levers[i], noisy=True)
+        if run.levers[i].speedup is not None:
+            run.levers[i] = dataclasses.replace(run.levers[i], noisy=True)
 
 
 def _choose(inv: Inventory, plan: Plan) -> list[DeviceInfo]:
