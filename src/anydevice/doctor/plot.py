@@ -134,6 +134,13 @@ def _rates(ax: Any, results: Sequence[Measured], names: Sequence[str], devices: 
         color = _DEVICE_COLORS[devices.index(r.device) % len(_DEVICE_COLORS)]
         ax.barh(i, v, color=color, alpha=0.45 if r.noisy else 0.9, height=0.7)
         label = _human(v, unit) + (" *" if r.noisy else "")
+        fp32 = next((x for x in rows if x.device == r.device and x.name == "matmul-fp32"), None)
+        if (
+            fp32 is not None
+            and r.name in ("matmul-bf16", "matmul-fp16")
+            and r.value < fp32.value / 2
+        ):
+            label += f"  {fp32.value / r.value:.0f}x slower than fp32: emulated, keep fp32"
         if p:
             ax.plot([p, p], [i - 0.42, i + 0.42], color="black", linewidth=2.5)
             label += f"  ({v / p:.0%} of {_human(p, unit)} peak)"
@@ -236,6 +243,9 @@ def _steps(ax: Any, m: Measurements) -> None:
     from matplotlib.ticker import FuncFormatter
 
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_time(x)))
-    ax.set_title(f"the same training step on every device (shorter is faster)\n{m.step}",
+    threads = ""
+    if m.load is not None and m.load.measured_with not in (None, m.load.torch_threads):
+        threads = f"\nwith {m.load.measured_with} thread(s): the cores other processes left free"
+    ax.set_title(f"the same training step on every device (shorter is faster)\n{m.step}{threads}",
                  loc="left")  # fmt: skip
     ax.grid(axis="x", alpha=0.3)
