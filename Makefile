@@ -16,15 +16,16 @@ $(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) -e ".[test]"
 	@touch $@
 
+# numpy too: without it `import torch` prints "Failed to initialize NumPy" before every command.
 $(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt
-	$(PIP) -e .
+	$(PIP) -e . numpy
 	@touch $@
 
 $(STAMP)-bench: $(STAMP)-test
 	$(PIP) -e ".[test,bench]"
 	@touch $@
 
-## make run: set up .venv and run the main job, `anydevice doctor`, on this machine.
+## make run: set up .venv and run the main job, `anydevice doctor` (30 s of measuring), here.
 run: $(STAMP)-run
 	$(VENV)/bin/anydevice doctor
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from anydevice.doctor import examine
 from anydevice.doctor.checks import (
     check_cores,
+    check_device_env,
     check_driver,
     check_free_memory,
     check_nvml,
@@ -133,5 +134,26 @@ def test_report_exit_code_follows_failures():
 def test_doctor_on_this_machine_has_every_check():
     report = examine()
     names = [c.name for c in report.checks]
-    assert names == ["torch-build", "driver", "visibility", "nvml", "free-memory", "cores"]
+    assert {"device-env", "torch-build", "driver", "visibility", "nvml", "free-memory",
+            "cores"} <= set(names)  # fmt: skip
+    assert len(names) == len(set(names))
     assert all(c.summary for c in report.checks)
+
+
+def test_a_bogus_anydevice_device_fails_with_the_fix():
+    inv = machine(gpu(0))
+    c = check_device_env(inv, {"ANYDEVICE_DEVICE": "bogus"})
+    assert c.status == "fail"
+    assert "Unknown device 'bogus' (from ANYDEVICE_DEVICE)" in c.summary
+    assert c.fix and "unset ANYDEVICE_DEVICE" in c.fix and "cuda:0, cpu" in c.fix
+    report = examine(inv, environ={"ANYDEVICE_DEVICE": "bogus"})
+    assert not report.ok and report.exit_code == 1
+
+
+def test_anydevice_device_naming_a_missing_gpu_fails_and_a_good_one_is_ok():
+    inv = machine(gpu(0))
+    missing = check_device_env(inv, {"ANYDEVICE_DEVICE": "cuda:3"})
+    assert missing.status == "fail" and "cuda:3" in missing.summary
+    good = check_device_env(inv, {"ANYDEVICE_DEVICE": "CPU"})
+    assert good.status == "ok" and "picks cpu" in good.summary
+    assert check_device_env(inv, {}).status == "skip"

@@ -54,6 +54,14 @@ def test_gpu_levers_pay_where_they_should(gpu_run):
         assert levers["fast-matmul"].verdict == "use"
 
 
+def test_the_quick_plan_stays_within_its_budget_on_a_gpu(gpu_run):
+    _, m = gpu_run
+    assert m.budget == 10.0 and m.seconds < 10.0 + 3.0
+    assert m.notes == ()  # every step found time and ran
+    bf16 = m.result("cuda:0", "matmul-bf16")
+    assert bf16 is None or bf16.size >= 1024  # a GPU grows its problems to real sizes
+
+
 def test_the_gpu_beats_the_cpu_side_by_side(gpu_run):
     _, m = gpu_run
     rows = {d.device: d for d in m.devices}

@@ -205,14 +205,18 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     size = p.add_mutually_exclusive_group()
     size.add_argument(
-        "--quick", dest="plan", action="store_const", const="quick", help="measure briefly"
+        "--quick",
+        dest="plan",
+        action="store_const",
+        const="quick",
+        help="measure within 10 s (default: within 30 s)",
     )
     size.add_argument(
         "--full",
         dest="plan",
         action="store_const",
         const="full",
-        help="measure longer, with larger sizes, on every GPU",
+        help="measure within 3 minutes, with larger sizes, on every GPU",
     )
     size.add_argument(
         "--no-measure",
@@ -226,45 +230,54 @@ def _doctor_args(p: argparse.ArgumentParser) -> None:
         "--device",
         action="append",
         metavar="SPEC",
-        help="measure only this device (repeatable), e.g. --device cpu --device cuda:1",
+        help="measure only this device (repeatable), in ad.device's grammar: cpu, 0, gpu:1, "
+        "cuda:1, free, auto",
     )
     p.add_argument(
-        "--plot", metavar="FILE", help="draw bandwidth and throughput to FILE (PNG; matplotlib)"
+        "--plot",
+        metavar="FILE",
+        help="draw the measurements to FILE (.png, .svg, .pdf; needs matplotlib)",
     )
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from anydevice.doctor import examine
+    from anydevice.doctor import examine, resolve_devices
+    from anydevice.errors import AnydeviceError
+    from anydevice.inventory import inventory
+
+    def refuse(message: object) -> int:
+        print(f"anydevice doctor: {message}", file=sys.stderr)
+        return 2
 
     if args.plot and args.plan == "none":
-        print("anydevice doctor: --plot needs measurements; drop --no-measure.", file=sys.stderr)
-        return 2
+        return refuse("--plot needs measurements; drop --no-measure.")
     if args.plot:
-        from anydevice.doctor.plot import require_matplotlib
+        from anydevice.doctor.plot import check_target
 
         try:
-            require_matplotlib()  # before the measuring, not after it
-        except ImportError as e:
-            print(f"anydevice doctor: {e}", file=sys.stderr)
-            return 2
+            check_target(args.plot)  # before the measuring, not after it
+        except (ImportError, ValueError) as e:
+            return refuse(e)
+    inv = inventory()
+    if args.device:
+        try:
+            resolve_devices(inv, args.device)  # with --no-measure too: bad input is bad
+        except AnydeviceError as e:
+            return refuse(e)
     err = Console(stderr=True)
     if args.plan == "none":
-        report = examine()
+        report = examine(inv)
     else:
         from anydevice.console import measuring
 
         with measuring(err) as progress:
-            try:
-                report = examine(measure=args.plan, devices=args.device, progress=progress)
-            except ValueError as e:
-                err.print(f"anydevice doctor: {e}", style="bold red", highlight=False)
-                return 2
+            report = examine(inv, measure=args.plan, devices=args.device, progress=progress)
     if args.plot and report.measurements is not None:
         from anydevice.doctor.plot import plot
 
-        plot(report.measurements, args.plot)
+        plot(report.measurements, args.plot, report.inventory)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

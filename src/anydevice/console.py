@@ -268,20 +268,26 @@ def results_table(m: Measurements) -> Table:
 
 
 def levers_table(m: Measurements) -> Table:
-    table = Table(title="what each lever buys here", title_justify="left")
+    table = Table(title="what each lever buys here (interleaved A/B samples)", title_justify="left")
     table.add_column("device", no_wrap=True)
-    table.add_column("lever", overflow="fold")
-    table.add_column("without", justify="right", no_wrap=True)
-    table.add_column("with", justify="right", no_wrap=True)
-    table.add_column("speed-up", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True)
+    table.add_column("lever", overflow="fold", ratio=1, min_width=20)
+    table.add_column("speed-up (spread)\nwithout → with", justify="right", no_wrap=True)
+    table.add_column("verdict", no_wrap=True)
     for lv in m.levers:
         label, style = _VERDICT_STYLE[lv.verdict]
+        if lv.verdict == "no-gain" and not lv.clear:
+            label = "– no clear\n  difference" if lv.pairs >= 3 else "– too few\n  pairs"
+        if lv.noisy:
+            label += "\n(noisy)"
         what = Text(lv.title, style="bold")
         what.append(f"\n{lv.workload if lv.verdict != 'n/a' else lv.note}", style="dim")
-        speedup = "-" if lv.speedup is None else f"{lv.speedup:.2f}x"
-        table.add_row(lv.device, what, _seconds(lv.baseline), _seconds(lv.lever), speedup,
-                      Text(label, style=style))  # fmt: skip
+        speedup = Text("-" if lv.speedup is None else f"{lv.speedup:.2f}x")
+        if lv.spread is not None:
+            speedup.append(f" ±{lv.spread:.0%}" if lv.pairs >= 3 else f" ({lv.pairs} pair(s))",
+                           style="dim")  # fmt: skip
+        if lv.speedup is not None:
+            speedup.append(f"\n{_seconds(lv.baseline)} → {_seconds(lv.lever)}", style="dim")
+        table.add_row(lv.device, what, speedup, Text(label, style=style))
     return table
 
 
@@ -309,6 +315,9 @@ def devices_table(m: Measurements) -> Table:
 
 
 def render_measurements(m: Measurements, console: Console) -> None:
+    if m.load is not None:
+        style = "bold yellow" if m.load.busy else "dim"
+        console.print(Text(f"machine load while measuring: {m.load.summary}", style=style))
     console.print(results_table(m))
     console.print(levers_table(m))
     console.print(devices_table(m))
@@ -316,12 +325,15 @@ def render_measurements(m: Measurements, console: Console) -> None:
         console.print(Text("→ " + line, style="bold"))
     for note in m.notes:
         console.print(Text(f"note: {note}", style="yellow"))
-    console.print(Text(f"measured in {m.seconds:.1f} s ({m.plan} plan)", style="dim"))
+    console.print(
+        Text(f"measured in {m.seconds:.1f} s ({m.plan} plan, budget {m.budget:g} s)", style="dim")
+    )
 
 
 @contextlib.contextmanager
 def measuring(console: Console) -> Iterator[Progress]:
-    """A progress bar on ``console`` (when it is a terminal) and the callback that moves it."""
+    """A progress bar on ``console`` (when it is a terminal) and the callback that moves it;
+    it shows the seconds of the time budget left."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(
@@ -329,15 +341,16 @@ def measuring(console: Console) -> Iterator[Progress]:
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TextColumn("[dim]at most {task.fields[left]} left[/]"),
         TextColumn("{task.description}"),
         console=console,
         transient=True,
         disable=not console.is_terminal,
     )
-    task = bar.add_task("", total=None)
+    task = bar.add_task("", total=None, left="?")
 
-    def update(done: int, total: int, title: str) -> None:
-        bar.update(task, completed=done, total=total, description=title)
+    def update(done: int, total: int, title: str, left: float) -> None:
+        bar.update(task, completed=done, total=total, description=title, left=f"{left:.0f} s")
 
     with bar:
         yield update

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from anydevice.doctor.checks import Check, run_checks
-from anydevice.inventory import Inventory, inventory
+from anydevice.inventory import DeviceInfo, Inventory, inventory
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from anydevice.doctor.measure import Measurements, Plan, Progress
 
-__all__ = ["Check", "Report", "examine"]
+__all__ = ["Check", "Report", "examine", "resolve_devices"]
 
 SCHEMA = "anydevice.doctor/1"
 
@@ -59,6 +59,7 @@ def examine(
     measure: str | Plan | None = None,
     devices: Sequence[str] | None = None,
     progress: Progress | None = None,
+    budget: float | None = None,
 ) -> Report:
     """Run every check on this machine (or on ``inv``, for tests), and measure if asked.
 
@@ -67,15 +68,54 @@ def examine(
         environ: the environment the checks read (default: ``os.environ``).
         measure: None (checks only), or the plan of the measurements: ``"quick"``,
             ``"default"``, ``"full"``.
-        devices: the devices to measure (default: the CPU and one GPU of each model).
-        progress: called before each measurement with (done, total, title).
+        devices: the devices to measure, in :func:`anydevice.device`'s grammar (default:
+            the CPU and one GPU of each model).
+        progress: called before each step with (done, total, title, seconds left).
+        budget: seconds of measuring, instead of the plan's.
+
+    Raises:
+        DeviceSpecError: a malformed spec in ``devices``.
+        DeviceNotFoundError: a spec in ``devices`` that names no device here.
     """
     inv = inventory() if inv is None else inv
     env = os.environ if environ is None else environ
+    if devices is not None:
+        resolve_devices(inv, devices, env)  # bad input is refused before any work
     checks = tuple(run_checks(inv, env))
     measured = None
     if measure is not None:
         from anydevice.doctor.measure import measure as run_measurements
 
-        measured = run_measurements(inv, measure, devices, progress)
+        measured = run_measurements(inv, measure, devices, progress, budget=budget)
     return Report(inventory=inv, checks=checks, measurements=measured)
+
+
+def resolve_devices(
+    inv: Inventory, specs: Sequence[str], environ: Mapping[str, str] | None = None
+) -> list[DeviceInfo]:
+    """The devices ``specs`` name in ``inv``, read as :func:`anydevice.device` reads them.
+
+    Case-insensitive, with the same grammar and the same messages: ``"CPU"``, ``"0"``,
+    ``"gpu:1"``, ``"free"``, ``"auto"`` (which honours ``ANYDEVICE_DEVICE``). Each device
+    comes once, in the order first named.
+
+    >>> from anydevice.inventory import inventory
+    >>> [d.spec for d in resolve_devices(inventory(kinds=("cpu",)), ["CPU", "cpu:0"])]
+    ['cpu']
+
+    Raises:
+        DeviceSpecError: a malformed spec.
+        DeviceNotFoundError: a spec that names no device here; the message lists what is.
+    """
+    from anydevice.selection import parse_spec, select
+
+    env = os.environ if environ is None else environ
+    found: dict[str, DeviceInfo] = {}
+    for text in specs:
+        spec = parse_spec(text)
+        override = env.get("ANYDEVICE_DEVICE", "").strip()
+        if spec.kind == "auto" and override:
+            spec = parse_spec(override, source="ANYDEVICE_DEVICE")
+        d = select(spec, inv, environ=env)
+        found.setdefault(d.spec, d)
+    return list(found.values())

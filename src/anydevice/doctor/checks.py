@@ -193,6 +193,33 @@ def check_nvml(inv: Inventory, env: Mapping[str, str]) -> Check:
     return Check("nvml", title, "ok", f"NVML reads {inv.host.nvidia_gpus} GPU(s).")
 
 
+def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
+    every script that asks for ``"auto"``."""
+    from anydevice.errors import AnydeviceError
+    from anydevice.selection import parse_spec, select
+
+    title = "ANYDEVICE_DEVICE (the device ad.device() picks)"
+    value = env.get("ANYDEVICE_DEVICE", "").strip()
+    if not value:
+        return Check("device-env", title, "skip", "ANYDEVICE_DEVICE is not set.")
+    try:
+        d = select(parse_spec(value, source="ANYDEVICE_DEVICE"), inv, environ=env)
+    except AnydeviceError as e:
+        here = ", ".join(d.spec for d in inv.devices)
+        return Check(
+            "device-env",
+            title,
+            "fail",
+            f"ad.device() fails in every script run here: {e}",
+            f"unset ANYDEVICE_DEVICE, or set it to a device here ({here}; `anydevice info` "
+            "lists them).",
+        )
+    return Check(
+        "device-env", title, "ok", f"ANYDEVICE_DEVICE={value!r}: ad.device() picks {d.spec}."
+    )
+
+
 def check_free_memory(inv: Inventory, env: Mapping[str, str]) -> Check:
     """Low free memory on the device ``auto`` would pick is an OOM waiting to happen."""
     from anydevice.errors import AnydeviceError
@@ -262,6 +289,7 @@ def check_cores(inv: Inventory, env: Mapping[str, str]) -> Check:
 
 
 CHECKS: tuple[Callable[[Inventory, Mapping[str, str]], Check], ...] = (
+    check_device_env,
     check_torch_build,
     check_driver,
     check_visibility,

@@ -27,14 +27,17 @@ class GpuPeak:
 
 # Dense TFLOP/s from the datasheets: fp32, tf32, bf16 and fp16 (bf16 and tf32 None where the
 # GPU has none), and memory bandwidth in GB/s. Matched on the device name; the first match
-# wins, so variants come before their family.
+# wins, so variants come before their family, and "GH200" (Grace Hopper: the H100's compute
+# with 96 GB of HBM3 at 4.0 TB/s, or 144 GB of HBM3e at 4.9 TB/s) before "H200".
 _ROWS: tuple[tuple[str, str, float, float | None, float | None, float, float], ...] = (
     # pattern        model        fp32   tf32   bf16   fp16   memory
-    (r"H200 NVL",    "H200 NVL",  60.0,  417.5, 835.5, 835.5, 4800.0),
-    (r"H200",        "H200 SXM",  67.0,  494.7, 989.4, 989.4, 4800.0),
-    (r"H100 NVL",    "H100 NVL",  60.0,  417.5, 835.5, 835.5, 3900.0),
-    (r"H100 PCIe",   "H100 PCIe", 51.2,  378.0, 756.0, 756.0, 2000.0),
-    (r"H100",        "H100 SXM",  67.0,  494.7, 989.4, 989.4, 3350.0),
+    (r"GH200.*144G", "GH200 144GB", 67.0, 494.7, 989.4, 989.4, 4900.0),
+    (r"GH200",       "GH200 480GB", 67.0,  494.7, 989.4, 989.4, 4000.0),
+    (r"\bH200 NVL",  "H200 NVL",  60.0,  417.5, 835.5, 835.5, 4800.0),
+    (r"\bH200",      "H200 SXM",  67.0,  494.7, 989.4, 989.4, 4800.0),
+    (r"\bH100 NVL",  "H100 NVL",  60.0,  417.5, 835.5, 835.5, 3900.0),
+    (r"\bH100 PCIe", "H100 PCIe", 51.2,  378.0, 756.0, 756.0, 2000.0),
+    (r"\bH100",      "H100 SXM",  67.0,  494.7, 989.4, 989.4, 3350.0),
     (r"A100.*80GB",  "A100 80GB", 19.5,  156.0, 312.0, 312.0, 2039.0),
     (r"A100",        "A100 40GB", 19.5,  156.0, 312.0, 312.0, 1555.0),
     (r"L40S",        "L40S",      91.6,  183.0, 362.1, 362.1,  864.0),
