@@ -46,6 +46,7 @@ from anydevice.errors import (
     VisibilityError,
     WorkerFailedError,
 )
+from anydevice.flops import FlopCount, ModuleFlops, flops
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
 from anydevice.layout import channels_last
 from anydevice.loader import DeviceLoader, LoaderStats
@@ -65,6 +66,7 @@ from anydevice.selection import (
     try_gpu,
 )
 from anydevice.streams import side_stream
+from anydevice.throughput import Peak, Throughput, ThroughputStats
 from anydevice.timing import Measurement, Timer, timeit
 
 __all__ = [
@@ -80,6 +82,7 @@ __all__ = [
     "Distributed",
     "DistributedError",
     "DistributedTimeoutError",
+    "FlopCount",
     "HostInfo",
     "Inventory",
     "LoaderStats",
@@ -87,13 +90,17 @@ __all__ = [
     "MeasurementError",
     "MemoryStats",
     "MemoryUsage",
+    "ModuleFlops",
     "MoveError",
     "NoTensorError",
+    "Peak",
     "Precision",
     "PrecisionError",
     "ProcessInfo",
     "StepOrderError",
     "SyncReport",
+    "Throughput",
+    "ThroughputStats",
     "Timer",
     "VisibilityError",
     "WorkerFailedError",
@@ -113,6 +120,7 @@ __all__ = [
     "fast_matmul",
     "find_syncs",
     "fit_batch_size",
+    "flops",
     "free_memory",
     "gather_for_metrics",
     "inventory",
