@@ -8,6 +8,7 @@ errors from the others, and makes the ranks of a distributed run agree.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from anydevice.clocks import active_device
 from anydevice.errors import BatchSizeError
 from anydevice.memory import free_memory, memory
+from anydevice.memory_history import oom_snapshot
 from anydevice.selection import DeviceLike
 
 __all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "is_out_of_memory", "search"]
@@ -45,6 +47,7 @@ def fit_batch_size(
     high: int | None = None,
     *,
     device: DeviceLike | None = None,
+    snapshot_on_oom: str | os.PathLike[str] | None = None,
 ) -> int:
     """The largest batch size for which ``step(batch_size)`` runs without running out of memory.
 
@@ -84,6 +87,9 @@ def fit_batch_size(
         high: the largest size to try; None for no limit (up to ``MAX_BATCH_SIZE``).
         device: where ``step`` allocates, to free its cache between tries; None: the
             accelerator this process is using, else the CPU.
+        snapshot_on_oom: CUDA: record the allocator's history during the search and write
+            a snapshot (and its ``.html`` timeline) here at the first out-of-memory error,
+            to see what filled the memory (:mod:`anydevice.memory_history`).
 
     Returns:
         The largest size that fits (on every rank).
@@ -99,12 +105,15 @@ def fit_batch_size(
         raise ValueError(f"start ({start}) must be >= low ({low})")
     if high is not None and high < start:
         raise ValueError(f"high ({high}) must be >= start ({start})")
-    trials = _Trials(step, device)
+    watch = None if snapshot_on_oom is None else oom_snapshot(device, snapshot_on_oom)
+    trials = _Trials(step if watch is None else watch.wrap(step), device)
     limit = high if high is not None else MAX_BATCH_SIZE
     try:
         found = search(trials.fits, start=start, low=low, high=limit)
     finally:
         trials.done()
+        if watch is not None:
+            watch.close()
     if found is None:
         raise BatchSizeError(trials.low_message(low))
     if high is None and found == MAX_BATCH_SIZE:
