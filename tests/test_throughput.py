@@ -202,3 +202,34 @@ def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
     bare = min(loop(False) for _ in range(5))
     metered = min(loop(True) for _ in range(5))
     assert metered <= 1.01 * bare, (metered, bare)
+
+
+@pytest.mark.skipif(torch.cuda.is_initialized(), reason="this process already uses CUDA")
+def test_without_a_device_the_meter_times_the_cpu_when_no_accelerator_is_in_use():
+    meter = ad.Throughput(samples_per_step=1, peak=None)
+    meter.step()
+    meter.step()
+    assert meter.device.type == "cpu" and meter.clock == "perf_counter"
+    assert meter.compute().steps == 1
+
+
+@pytest.mark.cuda
+def test_without_a_device_the_meter_follows_the_work_to_cuda():
+    meter = ad.Throughput(samples_per_step=1, peak=None)  # before the model is on the GPU
+    x = torch.ones(1024, device="cuda")
+    for _ in range(3):
+        x.mul_(1.0)
+        meter.step()
+    assert meter.device.type == "cuda" and meter.clock == "cuda-event"
+    assert meter.compute().steps == 2
+
+
+@pytest.mark.cuda
+def test_cuda_events_are_reused_once_the_window_is_full():
+    meter = ad.Throughput(samples_per_step=1, window=2, peak=None, device="cuda")
+    for _ in range(3):
+        meter.step()
+    oldest = meter._marks[0][0]
+    meter.step()  # the oldest event leaves the window and is recorded again as the newest
+    assert meter._marks[-1][0] is oldest
+    assert meter.compute().steps == 2

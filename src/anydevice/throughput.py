@@ -251,7 +251,8 @@ class Throughput:
         samples_per_step: samples per step (the batch size).
         tokens_per_step: tokens per step (batch size x sequence length).
         window: steps the rates are computed over (the newest ones).
-        device: where the steps run; None: the accelerator this process uses, else the CPU.
+        device: where the steps run; None: the accelerator this process uses at the first
+            :meth:`step`, else the CPU.
         peak: the per-device peak for the MFU: ``"auto"`` looks it up for ``dtype``
             (:func:`peak_tflops`), a number is TFLOP/s you trust, a :class:`Peak`, or None.
         dtype: the dtype the step's math runs in, as :func:`dtype_name` names it
@@ -284,7 +285,7 @@ class Throughput:
             raise ValueError(
                 f"peak must be 'auto', a number of TFLOP/s, a Peak or None, not {peak!r}"
             )
-        self.device = active_device() if device is None else resolve_device(device)
+        self._device = None if device is None else resolve_device(device)
         self.flops_per_step = flops_per_step
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
@@ -292,12 +293,27 @@ class Throughput:
         self.dtype = dtype
         self._peak_arg = peak
         self._peak: Peak | bool | None = False  # False: not looked up yet
-        self._events = _event_class(self.device) if clock is None else None
+        self._clocked = clock is not None
+        self._events: Any = None if self._device is None else self._event_class()
         self._now = clock or time.perf_counter
         # (mark, samples, tokens, flops) per step; the oldest mark starts the window
         self._marks: collections.deque[tuple[Any, float, float, float]] = collections.deque(
             maxlen=window + 1
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the steps run: given, else the accelerator in use at the first step."""
+        return self._resolve()
+
+    def _resolve(self) -> torch.device:
+        if self._device is None:  # at the first step, after the model went to its device
+            self._device = active_device()
+            self._events = self._event_class()
+        return self._device
+
+    def _event_class(self) -> Any:
+        return None if self._clocked else _event_class(self.device)
 
     @property
     def clock(self) -> str:
@@ -312,10 +328,13 @@ class Throughput:
     ) -> None:
         """Mark the end of one step; ``samples``/``tokens``/``flops`` override the per-step
         numbers for this step (a last, smaller batch)."""
+        self._resolve()
         if self._events is None:
             mark: Any = self._now()
         else:
-            mark = self._events(enable_timing=True)
+            full = len(self._marks) == self._marks.maxlen
+            # The event leaving the window is waited on by no one: record it again.
+            mark = self._marks.popleft()[0] if full else self._events(enable_timing=True)
             mark.record()
         self._marks.append(
             (
