@@ -250,3 +250,11 @@ def test_fp32_matmul_under_fast_matmul_is_set_against_tf32():
         count = ad.flops(torch.mm, a, a)
     assert count.by_dtype == {"tf32": 2 * 1024**3}
     assert ad.flops(torch.mm, a, a).dtype == "fp32"
+
+
+def test_control_flow_the_counter_counts_its_own_way_is_noted():
+    def branch(x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda x: x @ x, lambda x: (x @ x) @ x, (x,))
+
+    count = ad.flops(branch, torch.randn(4, 4))
+    assert any("FlopCounterMode's own total is 256" in w for w in count.warnings), count

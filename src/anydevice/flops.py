@@ -100,6 +100,7 @@ class FlopCount:
     by_dtype: Mapping[str, int] = field(default_factory=dict)
     unsupported: tuple[str, ...] = ()
     device: str = "cpu"  #: where the counted call ran ("meta": nothing ran)
+    notes: tuple[str, ...] = ()  #: where the split below differs from torch's total
 
     @property
     def total(self) -> int:
@@ -129,11 +130,12 @@ class FlopCount:
     def warnings(self) -> tuple[str, ...]:
         """What makes this count too low, for people."""
         if not self.unsupported:
-            return ()
+            return self.notes
         return (
             f"{len(self.unsupported)} op(s) that do arithmetic have no FLOP formula in "
             f"torch's counter and count as zero: {', '.join(self.unsupported)}. The total "
             "is low by their work.",
+            *self.notes,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,10 +229,11 @@ def flops(fn: Callable[..., object], *args: Any, meta: bool = False, **kwargs: A
     phases = recorder.counts
     forward = phases["Global"][0]
     backward = phases["Global"][1]
+    notes: tuple[str, ...] = ()
     if forward + backward != counter.get_total_flops():  # the formulas are the counter's own
-        raise AssertionError(
-            f"FLOPs by phase ({forward} + {backward}) disagree with FlopCounterMode's total "
-            f"({counter.get_total_flops()}); please report this with your torch version."
+        notes = (  # ops the counter handles itself: torch.cond's branches, triton kernels
+            f"FlopCounterMode's own total is {counter.get_total_flops()} FLOPs (control flow or "
+            "triton kernels it counts its own way); the split here is of the ops that ran.",
         )
     modules = tuple(
         ModuleFlops(name, *phases[name]) for name in _tree_order(phases) if name != "Global"
@@ -243,6 +246,7 @@ def flops(fn: Callable[..., object], *args: Any, meta: bool = False, **kwargs: A
         by_dtype=dict(sorted(recorder.by_dtype.items(), key=lambda kv: -kv[1])),
         unsupported=tuple(sorted(recorder.unsupported)),
         device="meta" if meta else recorder.device,
+        notes=notes,
     )
 
 
