@@ -179,7 +179,8 @@ def run(
     result.notes += [
         f"step: MLP {width}->{width}->{width}, batch {batch}, "
         f"{dtype or torch.float32} ({count.dtype}), {flops / 1e6:.3g} MFLOP per step "
-        f"(ad.flops), {STEPS} steps per loop, {rounds} interleaved rounds",
+        f"(ad.flops), {STEPS} steps per loop, {rounds} interleaved rounds, "
+        f"torch threads {torch.get_num_threads()}",
         *(f"{k}: {v * 1e6:.2f} us per call = {shares[k]:.3%} of a step" for k, v in costs.items()),
         f"{'PASS' if ok else 'FAIL'} ad.Throughput.step() under {TARGET:.0%} of a step",
         *(f"same loop, {k} = {v:.4f}" for k, v in agreement.items()),
@@ -202,7 +203,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: less exposed)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     run("throughput-meter-cpu", torch.device("cpu"), args.width, args.batch, None, args.rounds)
 
 

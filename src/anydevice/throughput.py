@@ -32,15 +32,19 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from anydevice.clocks import active_device, resolve_device
 from anydevice.errors import MeasurementError
+from anydevice.matmul import MathSettings, _legacy_on_purpose
 from anydevice.selection import DeviceLike
 
-__all__ = ["Peak", "Throughput", "ThroughputStats", "dtype_name", "peak_tflops"]
+if TYPE_CHECKING:
+    from anydevice.flops import FlopCount
+
+__all__ = ["Peak", "Throughput", "ThroughputStats", "dtype_name", "peak_tflops", "rates_for"]
 
 #: A measured peak grows the matmul until one call lasts this long (larger sizes only
 #: approach the same rate) ...
@@ -156,7 +160,6 @@ def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
 @contextlib.contextmanager
 def _strict_fp32() -> Iterator[None]:
     """fp32 measured as fp32: TF32 off inside, every setting restored after."""
-    from anydevice.matmul import MathSettings, _legacy_on_purpose
 
     saved = MathSettings.capture()
     try:
@@ -165,6 +168,37 @@ def _strict_fp32() -> Iterator[None]:
         yield
     finally:
         saved.restore()
+
+
+def rates_for(
+    counted: int | float | FlopCount, dev: torch.device, args: tuple[Any, ...]
+) -> dict[str, Any]:
+    """The ``flops`` and ``peak`` fields of a :class:`~anydevice.timing.Measurement`: a
+    number of FLOPs runs in the dtype in use at the call, a ``FlopCount`` in its own."""
+    if isinstance(counted, (int, float)):
+        dtype = _dtype_in_use(dev, args)
+        total = int(counted)
+    else:
+        dtype = counted.dtype or dtype_name(torch.float32, dev)
+        total = counted.total
+    return {"flops": total, "peak": peak_tflops(dev, dtype) if dev.type != "meta" else None}
+
+
+def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
+    """What autocast sets now on ``dev``, else the dtype of the first floating tensor."""
+    if dev.type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(dev.type):
+        return dtype_name(torch.get_autocast_dtype(dev.type), dev)
+    dtype = torch.float32
+    for value in args:
+        tensors = value.parameters() if isinstance(value, torch.nn.Module) else (value,)
+        first = next(
+            (t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None
+        )
+        if first is not None:
+            dtype = first.dtype
+            break
+    tf32 = dev.type == "cuda" and MathSettings.capture().matmul_precision != "highest"
+    return dtype_name(dtype, dev, tf32=tf32)
 
 
 # ----------------------------------------------------------------------------- Throughput

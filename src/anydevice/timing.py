@@ -418,12 +418,16 @@ def timeit(
     _check_counts(warmup=warmup, repeat=repeat, number=number, min_time=min_time)
     call: Callable[[], object] = functools.partial(fn, *args, **kwargs) if args or kwargs else fn
     found = None if device is not None else device_of_arguments(iter((*args, *kwargs.values())))
+    from anydevice.throughput import rates_for
+
     counted: int | float | FlopCount | None = None
     if flops is True:
         from anydevice.flops import flops as count_flops
 
         counted = count_flops(call)
     elif flops is not None and flops is not False:
+        if isinstance(flops, (int, float)) and not flops >= 0:
+            raise ValueError(f"flops must be >= 0 FLOPs per call, not {flops}")
         counted = flops
     for _ in range(warmup - 1 if flops is True and warmup else warmup):
         call()
@@ -448,46 +452,8 @@ def timeit(
         flush_l2=flush_l2,
         warmup=warmup,
         overhead=plan.overhead,
-        **({} if counted is None else _rates(counted, dev, (*args, *kwargs.values()))),
+        **({} if counted is None else rates_for(counted, dev, (*args, *kwargs.values()))),
     )
-
-
-def _rates(
-    counted: int | float | FlopCount, dev: torch.device, args: tuple[Any, ...]
-) -> dict[str, Any]:
-    """The ``flops`` and ``peak`` fields of a Measurement."""
-    from anydevice.throughput import dtype_name, peak_tflops
-
-    if isinstance(counted, (int, float)):
-        if counted < 0:
-            raise ValueError(f"flops must be >= 0 FLOPs per call, not {counted}")
-        dtype = _dtype_in_use(dev, args)
-        total = int(counted)
-    else:
-        dtype = counted.dtype or dtype_name(torch.float32, dev)
-        total = counted.total
-    return {"flops": total, "peak": peak_tflops(dev, dtype) if dev.type != "meta" else None}
-
-
-def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
-    """What autocast sets now on ``dev``, else the dtype of the first floating tensor."""
-    from anydevice.throughput import dtype_name
-
-    if dev.type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(dev.type):
-        return dtype_name(torch.get_autocast_dtype(dev.type), dev)
-    dtype = torch.float32
-    for value in args:
-        tensors = value.parameters() if isinstance(value, torch.nn.Module) else (value,)
-        first = next(
-            (t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()), None
-        )
-        if first is not None:
-            dtype = first.dtype
-            break
-    from anydevice.matmul import MathSettings
-
-    tf32 = dev.type == "cuda" and MathSettings.capture().matmul_precision != "highest"
-    return dtype_name(dtype, dev, tf32=tf32)
 
 
 def _check_counts(*, warmup: int, repeat: int | None, number: int | None, min_time: float) -> None:
