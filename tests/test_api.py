@@ -26,6 +26,8 @@ DOCUMENTED = {
     "BatchSizeError", "Measurement", "MeasurementError", "MemoryStats", "MemoryUsage",
     "SyncReport", "Timer", "find_syncs", "fit_batch_size", "free_memory", "memory",
     "nvtx_range", "profile", "timeit", "track_memory",
+    # how well the hardware is used
+    "FlopCount", "ModuleFlops", "Peak", "Throughput", "ThroughputStats", "flops",
     # many devices, many machines
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",

@@ -172,3 +172,34 @@ def test_free_memory_collects_garbage_cycles_and_returns_what_it_released():
 
 def test_free_memory_with_nothing_to_release_returns_zero_or_more():
     assert ad.free_memory("cpu") >= 0
+
+
+# ----------------------------------------------------------------------------- history, pinned
+
+
+def test_a_snapshot_is_refused_where_no_history_is_kept(tmp_path):
+    path = tmp_path / "mem.pickle"
+    ran = []
+    with (
+        pytest.raises(ad.MeasurementError, match="CUDA's caching allocator") as info,
+        ad.track_memory("cpu", snapshot=path),
+    ):
+        ran.append(1)
+    assert "cpu keeps none" in str(info.value) and "record_memory=True" in str(info.value)
+    assert not ran and not path.exists()
+
+
+def test_fit_batch_size_refuses_an_oom_snapshot_on_the_cpu_before_trying(tmp_path):
+    tried = []
+    with pytest.raises(ad.MeasurementError, match="cpu keeps none"):
+        ad.fit_batch_size(tried.append, device="cpu", snapshot_on_oom=tmp_path / "oom.pickle")
+    assert tried == []
+
+
+def test_pinned_memory_is_unknown_before_cuda_is_used():
+    # This process never initialised CUDA (a CPU build here): no pinned memory can exist,
+    # and reading it must not create a CUDA context to find out.
+    s = ad.memory("cpu")
+    assert torch.cuda.is_initialized() or (s.pinned is None and s.pinned_active is None)
+    assert "pinned" in s.to_dict()
+    assert ad.free_memory("cpu") >= 0

@@ -105,3 +105,62 @@ def test_reserved_far_above_allocated_is_flagged():
     assert s.fragmented and "WARNING" in repr(s)
     ad.free_memory(dev)
     assert not ad.memory(dev).fragmented
+
+
+# ----------------------------------------------------------------------------- history, pinned
+
+
+def test_track_memory_writes_a_snapshot_and_a_timeline(tmp_path):
+    import pickle
+
+    path = tmp_path / "runs" / "mem.pickle"
+    size = 64 * MiB
+    with ad.track_memory("cuda:0", snapshot=path) as m:
+        x = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+        del x
+    assert m.snapshot == path and path.exists()
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    events = [e for trace in snap["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" and e["size"] >= size for e in events)
+    assert any(e["action"] in ("free_requested", "free_completed") for e in events)
+    html = path.with_suffix(".html").read_text()
+    assert "Active Memory Timeline" in html and "snapshot.pickle" in html
+    before = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+    y = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+    del y
+    after = sum(len(t) for t in torch.cuda.memory._snapshot()["device_traces"])
+    assert after == before  # recording stopped with the block
+
+
+def test_fit_batch_size_writes_a_snapshot_at_the_first_oom(tmp_path):
+    import pickle
+
+    path = tmp_path / "oom.pickle"
+    free, _ = torch.cuda.mem_get_info(0)
+    unit = max(GiB, free // 16)
+
+    def step(n: int) -> None:
+        torch.empty(n * unit, dtype=torch.uint8, device="cuda:0")
+
+    found = ad.fit_batch_size(step, device="cuda:0", snapshot_on_oom=path)
+    assert 1 <= found * unit <= free
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    actions = {e["action"] for trace in snap["device_traces"] for e in trace}
+    assert "oom" in actions, actions
+    assert path.with_suffix(".html").exists()
+
+
+def test_pinned_host_memory_is_reported_and_released():
+    x = torch.empty(64 * MiB, dtype=torch.uint8).pin_memory()
+    torch.empty(1, device="cuda:0")  # CUDA is in use
+    held = ad.memory("cuda:0")
+    assert held.pinned is not None and held.pinned >= 64 * MiB
+    assert held.pinned_active is not None and held.pinned_active >= 64 * MiB
+    assert "pinned host" in repr(held)
+    del x
+    released = ad.free_memory("cuda:0")
+    after = ad.memory("cuda:0").pinned
+    assert after is not None and after <= held.pinned - 64 * MiB
+    assert released >= 64 * MiB

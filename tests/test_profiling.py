@@ -204,3 +204,40 @@ def test_a_sync_is_placed_on_the_innermost_line_of_user_code():
     )
     assert s.stack[-1] == "/home/me/train.py:12 in step"
     assert any("wrapper" in f for f in s.stack)  # installed packages count as user code
+
+
+# ----------------------------------------------------------------------------- idle time
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Each item takes 5 ms to load."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import time
+
+        time.sleep(0.005)
+        return torch.ones(8)
+
+
+def test_profile_reports_the_hosts_wait_for_data_from_a_real_trace(tmp_path):
+    out = io.StringIO()
+    loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=4)
+    with ad.profile(tmp_path / "t.json", steps=3, device="cpu", print_to=out) as p:
+        for x in p.iterate(loader):
+            torch.mm(x, x.t())
+    assert p.idle is not None and p.idle.active is None  # no accelerator here
+    assert p.idle.data_wait / p.idle.window > 0.5  # 20 ms loading a batch, a tiny matmul
+    assert "waited on data (DataLoader)" in out.getvalue()
+
+
+def test_profile_without_a_trace_file_still_reads_idle_time():
+    out = io.StringIO()
+    batches = [torch.randn(128, 128) for _ in range(6)]
+    with ad.profile(None, steps=3, device="cpu", print_to=out) as p:
+        for x in p.iterate(batches):  # data already in memory: no DataLoader
+            torch.mm(x, x)
+    assert p.idle is not None and p.idle.data_wait == 0 and p.idle.window > 0
+    assert not p.trace_written

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import anydevice as ad
+from test_profiling import SlowDataset
 
 pytestmark = pytest.mark.cuda
 
@@ -170,3 +171,45 @@ def test_decorating_with_nvtx_range_leaves_cuda_uninitialised():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "driver initialised: False" in out.stdout
     assert out.stdout.strip().endswith("ok 4.0 1")
+
+
+# ----------------------------------------------------------------------------- idle time
+
+
+def test_profile_finds_a_launch_bound_loop(tmp_path):
+    import time
+
+    x = torch.randn(64, device="cuda")
+    with ad.profile(tmp_path / "t.json", steps=5, device="cuda", print_to=None) as p:
+        for _ in range(8):
+            for _ in range(10):
+                x.add_(1)
+                time.sleep(0.001)  # the host is slow to launch the next tiny kernel
+            p.step()
+    idle = p.idle
+    assert idle is not None and idle.active is not None
+    assert idle.idle_share is not None and idle.idle_share > 0.8
+    assert idle.host_wait is not None and idle.host_wait > 0.8 * (idle.idle or 0)
+    assert idle.data_wait < 0.05 * idle.window
+
+
+def test_profile_tells_waiting_on_data_from_waiting_on_launches(tmp_path):
+    a = torch.randn(256, 256, device="cuda")
+    loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=4)
+    with ad.profile(tmp_path / "t.json", steps=3, device="cuda", print_to=None) as p:
+        for batch in p.iterate(loader):
+            torch.mm(a, a) + batch.to("cuda", non_blocking=True).sum()
+    idle = p.idle
+    assert idle is not None and idle.idle is not None
+    assert idle.data_wait > 0.5 * idle.idle, idle
+
+
+def test_profile_of_queued_big_matmuls_shows_a_busy_device(tmp_path):
+    a = torch.randn(4096, 4096, device="cuda")
+    with ad.profile(tmp_path / "t.json", steps=3, device="cuda", print_to=None) as p:
+        for _ in range(6):
+            for _ in range(20):
+                torch.mm(a, a)
+            p.step()
+    assert p.idle is not None and p.idle.idle_share is not None
+    assert p.idle.idle_share < 0.2, p.idle

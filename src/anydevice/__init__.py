@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         VisibilityError,
         WorkerFailedError,
     )
+    from anydevice.flops import FlopCount, ModuleFlops, flops
     from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
     from anydevice.layout import channels_last
     from anydevice.loader import DeviceLoader, LoaderStats
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
         try_gpu,
     )
     from anydevice.streams import side_stream
+    from anydevice.throughput import Peak, Throughput, ThroughputStats
     from anydevice.timing import Measurement, Timer, timeit
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "Distributed",
     "DistributedError",
     "DistributedTimeoutError",
+    "FlopCount",
     "HostInfo",
     "Inventory",
     "LoaderStats",
@@ -97,13 +100,17 @@ __all__ = [
     "MeasurementError",
     "MemoryStats",
     "MemoryUsage",
+    "ModuleFlops",
     "MoveError",
     "NoTensorError",
+    "Peak",
     "Precision",
     "PrecisionError",
     "ProcessInfo",
     "StepOrderError",
     "SyncReport",
+    "Throughput",
+    "ThroughputStats",
     "Timer",
     "VisibilityError",
     "WorkerFailedError",
@@ -123,6 +130,7 @@ __all__ = [
     "fast_matmul",
     "find_syncs",
     "fit_batch_size",
+    "flops",
     "free_memory",
     "gather_for_metrics",
     "inventory",
@@ -212,6 +220,12 @@ _SOURCES: dict[str, str] = {
     "try_all_gpus": "anydevice.selection",
     "try_gpu": "anydevice.selection",
     "side_stream": "anydevice.streams",
+    "FlopCount": "anydevice.flops",
+    "ModuleFlops": "anydevice.flops",
+    "flops": "anydevice.flops",
+    "Peak": "anydevice.throughput",
+    "Throughput": "anydevice.throughput",
+    "ThroughputStats": "anydevice.throughput",
     "Measurement": "anydevice.timing",
     "Timer": "anydevice.timing",
     "timeit": "anydevice.timing",

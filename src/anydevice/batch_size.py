@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from anydevice.clocks import active_device
 from anydevice.errors import BatchSizeError
 from anydevice.memory import free_memory, memory
+from anydevice.memory_history import oom_snapshot
 from anydevice.selection import DeviceLike
 
 __all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "is_out_of_memory", "search"]
@@ -54,6 +56,7 @@ def fit_batch_size(
     *,
     device: DeviceLike | None = None,
     margin: float = 1.0,
+    snapshot_on_oom: str | os.PathLike[str] | None = None,
 ) -> int:
     """The largest batch size for which ``step(batch_size)`` runs without running out of memory.
 
@@ -98,6 +101,9 @@ def fit_batch_size(
         device: where ``step`` allocates, to free its cache between tries; None: the
             accelerator this process is using, else the CPU.
         margin: the fraction of the largest fitting size to return, in (0, 1].
+        snapshot_on_oom: CUDA: record the allocator's history during the search and write
+            a snapshot (and its ``.html`` timeline) here at the first out-of-memory error,
+            to see what filled the memory (:mod:`anydevice.memory_history`).
 
     Returns:
         The largest size that fits (on every rank), times ``margin``.
@@ -110,12 +116,15 @@ def fit_batch_size(
             (0, 1].
     """
     _check_bounds(start, low, high, margin)
-    trials = _Trials(step, device)
+    watch = None if snapshot_on_oom is None else oom_snapshot(device, snapshot_on_oom)
+    trials = _Trials(step if watch is None else watch.wrap(step), device)
     limit = high if high is not None else MAX_BATCH_SIZE
     try:
         found = search(trials.fits, start=start, low=low, high=limit)
     finally:
         trials.done()
+        if watch is not None:
+            watch.close()
     if found is None:
         raise BatchSizeError(trials.low_message(low))
     if high is None and found == MAX_BATCH_SIZE:

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ import torch
 from anydevice.clocks import active_device, resolve_device, synchronize
 from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
+from anydevice.memory_history import History
+from anydevice.pinned import read_pinned, release_pinned
 from anydevice.selection import DeviceLike
 
 __all__ = [
@@ -181,6 +184,8 @@ class MemoryStats:
     total: int | None = None
     alloc_retries: int | None = None  #: allocations that needed the cache flushed first
     ooms: int | None = None  #: out-of-memory errors the allocator raised
+    pinned: int | None = None  #: pinned host bytes torch's host allocator holds (in use + cached)
+    pinned_active: int | None = None  #: of those, bytes in use
     notes: tuple[str, ...] = field(default=())  #: how the numbers were read, what is unknown
 
     @property
@@ -220,6 +225,8 @@ class MemoryStats:
             "other": self.other,
             "alloc_retries": self.alloc_retries,
             "ooms": self.ooms,
+            "pinned": self.pinned,
+            "pinned_active": self.pinned_active,
             "fragmented": self.fragmented,
             "notes": list(self.notes),
         }
@@ -238,6 +245,10 @@ class MemoryStats:
             head += f"; device {b(self.free)} free of {b(self.total)}"
             if self.other:
                 head += f" ({b(self.other)} used outside this process's allocator)"
+        if self.pinned:
+            head += f"; pinned host {b(self.pinned)}"
+            if self.pinned_active is not None:
+                head += f" ({b(self.pinned_active)} in use)"
         lines = [f"MemoryStats({self.device}: {head})"]
         if self.fragmented:
             ratio = (self.reserved or 0) / max(self.allocated or 0, 1)
@@ -303,7 +314,15 @@ def memory(device: DeviceLike | None = "auto") -> MemoryStats:
         alloc_retries=c.retries,
         ooms=c.ooms,
         notes=tuple(notes),
+        **_pinned_fields(),
     )
+
+
+def _pinned_fields() -> dict[str, int | None]:
+    pinned = read_pinned()
+    if pinned is None:
+        return {}
+    return {"pinned": pinned.held, "pinned_active": pinned.active}
 
 
 def _initialized(device: torch.device) -> bool:
@@ -368,6 +387,7 @@ class MemoryUsage:
         self._peak: int | None = None
         self.exact = False
         self._inner_peak = 0  # reported by blocks nested in this one
+        self.snapshot: Path | None = None  #: the allocator history written, with snapshot=
 
     def _get(self, value: int | None, name: str) -> int:
         if value is None:
@@ -415,7 +435,10 @@ _open: contextvars.ContextVar[tuple[MemoryUsage, ...]] = contextvars.ContextVar(
 
 @contextmanager
 def track_memory(
-    device: DeviceLike | None = None, *, interval: float = 0.001
+    device: DeviceLike | None = None,
+    *,
+    interval: float = 0.001,
+    snapshot: str | os.PathLike[str] | None = None,
 ) -> Iterator[MemoryUsage]:
     """Track the peak and the net change of memory during a block.
 
@@ -440,9 +463,16 @@ def track_memory(
     >>> m.peak >= m.start
     True
 
+    **snapshot** (CUDA): torch's allocator records every allocation and free of the block,
+    with its Python stack, and on exit (also after an error) the history is written to
+    ``snapshot`` (open it in https://pytorch.org/memory_viz) and, beside it, an ``.html``
+    timeline of the same data (:mod:`anydevice.memory_history`). Recording is process-wide
+    and off after the block. Other devices keep no history: ``MeasurementError``.
+
     Args:
         device: any device spec; None: the accelerator this process is using, else the CPU.
         interval: seconds between samples where the peak is sampled.
+        snapshot: where to write the allocator history of the block (CUDA only).
 
     Yields:
         A :class:`MemoryUsage`, filled in when the block ends.
@@ -450,6 +480,7 @@ def track_memory(
     if not interval > 0:
         raise ValueError(f"interval must be > 0 seconds, not {interval}")
     dev = _resolve_memory_device(device)
+    history = None if snapshot is None else History(dev, snapshot)  # refuses before anything
     counted = dev.type in ("cuda", "xpu")
     if counted:
         before = _read(dev)
@@ -465,10 +496,14 @@ def track_memory(
         high_water = _peak_rss() if dev.type == "cpu" else None
         sampler = _Sampler(current, interval)
     token = _open.set((*_open.get(), usage))
+    if history is not None:
+        history.start()
     try:
         yield usage
     finally:
         _open.reset(token)
+        if history is not None:
+            usage.snapshot = history.stop()
         if sampler is None:
             after = _read(dev)
             usage._end = after.allocated
@@ -546,6 +581,8 @@ def free_memory(device: DeviceLike | None = None) -> int:
     Accelerators: ``gc.collect()``, then the device's ``empty_cache()``; the bytes are the
     drop in reserved memory. CPU: ``gc.collect()``, then glibc's ``malloc_trim(0)`` (which
     returns freed heap pages to the system); the bytes are the drop in resident memory.
+    Either way, cached pinned host memory is released too (:mod:`anydevice.pinned`), and
+    counted on an accelerator (on the CPU it is part of the resident memory).
 
     >>> free_memory("cpu") >= 0
     True
@@ -562,7 +599,8 @@ def free_memory(device: DeviceLike | None = None) -> int:
     gc.collect()
     synchronize(dev)  # blocks still in use by queued work are not released
     _empty_cache(dev)
-    return max(0, before - held())
+    pinned = release_pinned()
+    return max(0, before - held()) + (pinned if dev.type != "cpu" else 0)
 
 
 def _held_reader(device: torch.device) -> Callable[[], int]:

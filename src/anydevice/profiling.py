@@ -20,12 +20,15 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal, TextIO, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Literal, TextIO, TypeVar
 
 import torch
 
 from anydevice.errors import MeasurementError
 from anydevice.selection import DeviceLike
+
+if TYPE_CHECKING:
+    from anydevice.idle import IdleTime
 
 __all__ = ["Profile", "Sync", "SyncReport", "find_syncs", "nvtx_range", "profile"]
 
@@ -54,6 +57,7 @@ class Profile:
         self.steps_done = 0
         self.table = ""  #: the table of top ops, once recorded
         self.trace_written = False
+        self.idle: IdleTime | None = None  #: where the device sat idle, read from the trace
 
     def step(self) -> None:
         """Mark the end of one iteration (advances the wait / warm-up / active schedule)."""
@@ -151,6 +155,7 @@ def profile(
         if trace is not None:
             prof.export_chrome_trace(str(trace))
             p.trace_written = True
+        p.idle = _idle_from(prof, trace)
         p.table = prof.key_averages().table(sort_by=key, row_limit=row_limit)
 
     plan = None if steps is None else schedule(wait=wait, warmup=warmup, active=steps, repeat=1)
@@ -178,7 +183,22 @@ def profile(
             )
         warnings.warn(f"ad.profile recorded nothing: {why}", RuntimeWarning, stacklevel=3)
         return
-    _emit(print_to, f"Top ops by {key} ({kind or 'cpu'}):\n{p.table}")
+    idle = "" if p.idle is None else f"\n{p.idle.summary()}"
+    _emit(print_to, f"Top ops by {key} ({kind or 'cpu'}):\n{p.table}{idle}")
+
+
+def _idle_from(prof: torch.profiler.profile, trace: Path | None) -> IdleTime | None:
+    """Idle time read from the trace written, or from one exported to a temporary file."""
+    import tempfile
+
+    from anydevice.idle import idle_time, read_trace
+
+    if trace is not None:
+        return idle_time(read_trace(trace))
+    with tempfile.TemporaryDirectory(prefix="anydevice-trace-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return idle_time(read_trace(path))
 
 
 def _activities(device: DeviceLike | None) -> tuple[list[Any], str | None]:

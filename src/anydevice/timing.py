@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,10 @@ from anydevice.clocks import (
 )
 from anydevice.errors import MeasurementError
 from anydevice.selection import DeviceLike
+
+if TYPE_CHECKING:
+    from anydevice.flops import FlopCount
+    from anydevice.throughput import Peak
 
 __all__ = ["Measurement", "Plan", "Timer", "autorange", "format_time", "timeit"]
 
@@ -86,6 +90,8 @@ class Measurement:
     flush_l2: bool = False  #: the cache was flushed before every sample (cold-cache times)
     warmup: int = 0  #: calls made before anything was measured
     overhead: float = 0.0  #: seconds an empty sample takes on this clock (the timing floor)
+    flops: int | None = None  #: FLOPs of one call, when given or counted
+    peak: Peak | None = None  #: the device's peak in the dtype the FLOPs ran in, if known
 
     def __post_init__(self) -> None:
         if not self.times:
@@ -142,6 +148,22 @@ class Measurement:
     def noisy(self) -> bool:
         return self.relative_iqr > NOISY
 
+    @property
+    def tflops(self) -> float | None:
+        """Achieved TFLOP/s at the median time; None without ``flops``."""
+        if self.flops is None:
+            return None
+        return self.flops / self.median / 1e12 if self.median > 0 else math.inf
+
+    @property
+    def mfu(self) -> float | None:
+        """``tflops`` as a share of the peak (model FLOPs utilisation); None when either is
+        unknown. ``peak.source`` says whether the peak is a datasheet's or measured here."""
+        tflops = self.tflops
+        if tflops is None or self.peak is None or self.peak.tflops <= 0:
+            return None
+        return tflops / self.peak.tflops
+
     def quantile(self, q: float) -> float:
         """The ``q`` quantile of the samples (0.5 is the median), linearly interpolated."""
         if not 0.0 <= q <= 1.0:
@@ -185,6 +207,11 @@ class Measurement:
             "min": self.min,
             "max": self.max,
             "overhead": self.overhead,
+            "flops": self.flops,
+            "tflops": self.tflops,
+            "mfu": self.mfu,
+            "peak_tflops": None if self.peak is None else self.peak.tflops,
+            "peak_source": None if self.peak is None else self.peak.source,
             "times": list(self.times),
         }
 
@@ -202,6 +229,13 @@ class Measurement:
             f"{self.clock} clock, {self.warmup} warm-up call{'s' if self.warmup != 1 else ''}, "
             f"{'cache flushed before each sample' if self.flush_l2 else 'warm cache'}",
         ]
+        if self.tflops is not None:
+            rate = f"  {self.tflops:.4g} TFLOP/s ({self.flops:.4g} FLOP per call)"
+            if self.mfu is not None and self.peak is not None:
+                rate += f", MFU {self.mfu:.1%} of {self.peak.tflops:.4g} ({self.peak.source})"
+            else:
+                rate += ", MFU unknown: no peak is known for this device and dtype"
+            lines.append(rate)
         lines += [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -322,6 +356,7 @@ def timeit(
     device: DeviceLike | None = None,
     label: str | None = None,
     clock: Callable[[], float] | None = None,
+    flops: int | float | FlopCount | bool | None = None,
     **kwargs: Any,
 ) -> Measurement:
     """Time ``fn(*args, **kwargs)`` on its device, correctly, and return every sample.
@@ -341,6 +376,14 @@ def timeit(
 
     Work that ``fn`` queues on other CUDA streams must be joined to the current stream
     inside ``fn``, or the events do not see it.
+
+    With ``flops`` the measurement also has ``.tflops`` and ``.mfu``: ``flops=True`` counts
+    the FLOPs of the first warm-up call (:func:`~anydevice.flops.flops`, an extra call when
+    ``warmup=0``) and the dtype they ran in; a :class:`~anydevice.flops.FlopCount` brings
+    both; a number is taken as FLOPs per call, in the dtype autocast sets at this call, else
+    that of the first floating tensor among the arguments (TF32 for fp32 on CUDA inside
+    :func:`~anydevice.matmul.fast_matmul`). The peak is the datasheet's, else a matmul
+    measured once here (:func:`~anydevice.throughput.peak_tflops`).
 
     >>> import torch
     >>> a = torch.randn(64, 64)
@@ -363,6 +406,7 @@ def timeit(
         label: a name for the repr.
         clock: a function returning seconds, used instead of CUDA events and
             ``perf_counter`` (for tests with a fake clock).
+        flops: FLOPs per call (a number, a ``FlopCount``), or True to count them.
 
     Returns:
         A :class:`Measurement` (seconds per call).
@@ -374,7 +418,18 @@ def timeit(
     _check_counts(warmup=warmup, repeat=repeat, number=number, min_time=min_time)
     call: Callable[[], object] = functools.partial(fn, *args, **kwargs) if args or kwargs else fn
     found = None if device is not None else device_of_arguments(iter((*args, *kwargs.values())))
-    for _ in range(warmup):
+    from anydevice.throughput import rates_for
+
+    counted: int | float | FlopCount | None = None
+    if flops is True:
+        from anydevice.flops import flops as count_flops
+
+        counted = count_flops(call)
+    elif flops is not None and flops is not False:
+        if isinstance(flops, (int, float)) and not flops >= 0:
+            raise ValueError(f"flops must be >= 0 FLOPs per call, not {flops}")
+        counted = flops
+    for _ in range(warmup - 1 if flops is True and warmup else warmup):
         call()
     dev = resolve_device(device) if device is not None else found or active_device()
     synchronize(dev)  # the warm-up's queued work ends before anything is timed
@@ -397,6 +452,7 @@ def timeit(
         flush_l2=flush_l2,
         warmup=warmup,
         overhead=plan.overhead,
+        **({} if counted is None else rates_for(counted, dev, (*args, *kwargs.values()))),
     )
 
 

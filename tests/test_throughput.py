@@ -1,0 +1,235 @@
+"""The Throughput meter: rates over a sliding window, MFU against a peak, summed over real
+gloo ranks, and no synchronisation per step on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import anydevice as ad
+from anydevice.throughput import Peak, dtype_name, peak_tflops
+from ranks import process_tree_guard, run_ranks
+
+
+class FakeClock:
+    """Seconds that advance only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rates_are_totals_over_the_window():
+    clock = FakeClock()
+    meter = ad.Throughput(
+        samples_per_step=32,
+        tokens_per_step=32 * 128,
+        flops_per_step=4e12,
+        peak=Peak(8.0, "bf16", "given"),
+        device="cpu",
+        clock=clock,
+    )
+    for _ in range(4):
+        meter.step()
+        clock.now += 0.5
+    s = meter.compute()
+    assert (s.steps, s.seconds, s.step_time) == (3, 1.5, 0.5)
+    assert s.samples_per_s == pytest.approx(64.0)
+    assert s.tokens_per_s == pytest.approx(64.0 * 128)
+    assert s.tflops == pytest.approx(8.0)
+    assert s.mfu == pytest.approx(1.0)
+    assert s.world_size == 1 and s.clock == "perf_counter"
+    assert "MFU 100.0% of 8 (given)" in repr(s)
+    assert s.to_dict()["peak_source"] == "given"
+
+
+def test_the_window_slides_over_the_newest_steps():
+    clock = FakeClock()
+    meter = ad.Throughput(samples_per_step=10, window=2, device="cpu", clock=clock)
+    for duration in (5.0, 5.0, 5.0, 1.0, 1.0):  # slow steps first, then fast ones
+        meter.step()
+        clock.now += duration
+    meter.step()
+    s = meter.compute()
+    assert (s.steps, s.seconds) == (2, 2.0)
+    assert s.samples_per_s == pytest.approx(10.0)
+    meter.reset()
+    with pytest.raises(ad.MeasurementError, match="0 step"):
+        meter.compute()
+
+
+def test_a_step_can_override_its_numbers():
+    clock = FakeClock()
+    meter = ad.Throughput(samples_per_step=8, device="cpu", clock=clock)
+    meter.step()
+    clock.now += 1.0
+    meter.step(samples=3)  # a last, smaller batch
+    assert meter.compute().samples_per_s == pytest.approx(3.0)
+
+
+def test_rates_not_asked_for_are_none():
+    clock = FakeClock()
+    meter = ad.Throughput(samples_per_step=4, device="cpu", clock=clock)
+    meter.step()
+    clock.now += 1.0
+    meter.step()
+    s = meter.compute()
+    assert s.tokens_per_s is None and s.tflops is None and s.mfu is None and s.peak is None
+
+
+def test_one_step_has_no_duration():
+    meter = ad.Throughput(device="cpu")
+    meter.step()
+    with pytest.raises(ad.MeasurementError, match="at least 2 calls"):
+        meter.compute()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": 0}, "window must be >= 1"),
+        ({"samples_per_step": -1}, "samples_per_step must be >= 0"),
+        ({"flops_per_step": float("nan")}, "flops_per_step must be >= 0"),
+        ({"peak": "datasheet"}, "peak must be 'auto'"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ad.Throughput(device="cpu", **kwargs)
+
+
+def test_auto_peak_on_the_cpu_is_the_measured_matmul():
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=1e9, device="cpu", clock=clock)
+    meter.step()
+    clock.now += 0.1
+    meter.step()
+    s = meter.compute()
+    peak = peak_tflops("cpu", "fp32")
+    assert s.peak == peak and peak is not None and peak.measured
+    assert s.mfu == pytest.approx(0.01 / peak.tflops)
+
+
+def test_a_real_loop_on_the_cpu_is_timed_with_perf_counter():
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    meter = ad.Throughput(samples_per_step=32, peak=None, device="cpu")
+    with ad.Timer("cpu") as t:
+        meter.step()
+        for _ in range(20):
+            layer(x).sum().backward()
+            meter.step()
+    s = meter.compute()
+    assert s.steps == 20 and 0 < s.seconds <= t.elapsed
+    assert s.samples_per_s == pytest.approx(640 / s.seconds)
+
+
+def test_dtype_names():
+    assert dtype_name(torch.float16) == "fp16" and dtype_name(torch.float64) == "fp64"
+    assert dtype_name(torch.float8_e4m3fn) == "fp8"
+    assert dtype_name(torch.float32, torch.device("cuda"), tf32=True) == "tf32"
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def _rank(init_method: str) -> dict[str, object]:
+    with ad.distributed(init_method=init_method, timeout=30) as d:
+        clock = FakeClock()
+        seconds_per_step = 1.0 + d.rank  # rank 1 is twice as slow
+        meter = ad.Throughput(
+            samples_per_step=10,
+            flops_per_step=2e12,
+            peak=Peak(4.0, "fp32", "given"),
+            device="cpu",
+            clock=clock,
+        )
+        for _ in range(3):
+            meter.step()
+            clock.now += seconds_per_step
+        return meter.compute().to_dict()
+
+
+def test_ranks_sum_their_rates(tmp_path):
+    with process_tree_guard():
+        r0, r1 = run_ranks(_rank, 2, tmp_path, timeout=90)
+    assert r0 == r1  # every rank gets the same, global numbers
+    assert r0["world_size"] == 2
+    assert r0["seconds"] == 4.0  # the slowest rank's window
+    assert r0["samples_per_s"] == pytest.approx(10 / 1 + 10 / 2)
+    assert r0["tflops"] == pytest.approx(2 / 1 + 2 / 2)
+    assert r0["mfu"] == pytest.approx(3.0 / (4.0 + 4.0))
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+def test_cuda_steps_record_events_without_synchronising():
+    a = torch.randn(1024, 1024, device="cuda")
+    meter = ad.Throughput(samples_per_step=1, peak=None, device="cuda")
+    torch.cuda.synchronize()
+    with ad.Timer("cuda") as t:
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call now raises
+        try:
+            meter.step()
+            for _ in range(50):
+                torch.mm(a, a)
+                meter.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    s = meter.compute()
+    assert s.clock == "cuda-event" and s.steps == 50
+    assert 0.8 * t.elapsed <= s.seconds <= t.elapsed  # device time of the 50 matmuls
+
+
+@pytest.mark.cuda
+def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
+    a = torch.randn(2048, 2048, device="cuda")
+    meter = ad.Throughput(samples_per_step=1, peak=None, device="cuda")
+
+    def loop(with_meter: bool) -> float:
+        with ad.Timer("cuda") as t:
+            for _ in range(200):
+                torch.mm(a, a)
+                if with_meter:
+                    meter.step()
+        return t.elapsed
+
+    loop(True)  # warm-up
+    bare = min(loop(False) for _ in range(5))
+    metered = min(loop(True) for _ in range(5))
+    assert metered <= 1.01 * bare, (metered, bare)
+
+
+@pytest.mark.skipif(torch.cuda.is_initialized(), reason="this process already uses CUDA")
+def test_without_a_device_the_meter_times_the_cpu_when_no_accelerator_is_in_use():
+    meter = ad.Throughput(samples_per_step=1, peak=None)
+    meter.step()
+    meter.step()
+    assert meter.device.type == "cpu" and meter.clock == "perf_counter"
+    assert meter.compute().steps == 1
+
+
+@pytest.mark.cuda
+def test_without_a_device_the_meter_follows_the_work_to_cuda():
+    meter = ad.Throughput(samples_per_step=1, peak=None)  # before the model is on the GPU
+    x = torch.ones(1024, device="cuda")
+    for _ in range(3):
+        x.mul_(1.0)
+        meter.step()
+    assert meter.device.type == "cuda" and meter.clock == "cuda-event"
+    assert meter.compute().steps == 2
+
+
+@pytest.mark.cuda
+def test_cuda_events_are_reused_once_the_window_is_full():
+    meter = ad.Throughput(samples_per_step=1, window=2, peak=None, device="cuda")
+    for _ in range(3):
+        meter.step()
+    oldest = meter._marks[0][0]
+    meter.step()  # the oldest event leaves the window and is recorded again as the newest
+    assert meter._marks[-1][0] is oldest
+    assert meter.compute().steps == 2
