@@ -84,6 +84,29 @@ def test_the_cpu_row_compares_with_itself(cpu_run):
     assert any(a.startswith("Only the CPU here") for a in cpu_run.advice)
 
 
+def test_the_training_step_reports_its_flops_and_mfu(cpu_run):
+    (row,) = cpu_run.devices
+    batch, width = cpu_run_step_size(cpu_run)
+    # 4 Linear(width, width) layers: forward 2*b*w*w each, backward twice that (no bias
+    # FLOPs in FlopCounterMode), LayerNorm/GELU/SGD count nothing.
+    assert row.step_flops == 6 * 4 * batch * width * width
+    fp32 = cpu_run.result("cpu", "matmul-fp32")
+    expected = row.step_flops / row.step_fp32 / (fp32.value * 1e9)
+    assert row.mfu_fp32 == pytest.approx(expected)
+    assert row.mfu_source == "fp32 matmul measured here"
+    data = json.loads(json.dumps(cpu_run.to_dict()))["devices"][0]
+    assert data["mfu_fp32"] == pytest.approx(expected) and data["step_flops"] == row.step_flops
+
+
+def cpu_run_step_size(m):
+    """(batch, width) of the step, read back from the step's description."""
+    import re
+
+    found = re.search(r"(\d+) layers of (\d+), batch (\d+)", m.step)
+    assert found, m.step
+    return int(found.group(3)), int(found.group(2))
+
+
 def test_to_dict_is_json_ready_with_units_spreads_and_load(cpu_run):
     data = json.loads(json.dumps(cpu_run.to_dict()))
     assert data["plan"] == "quick" and data["budget"] == 4.0

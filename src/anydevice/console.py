@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from anydevice.doctor import Report
     from anydevice.doctor.measure import Measurements, Progress
+    from anydevice.doctor.results import DeviceSummary
     from anydevice.gpuwatch import Reading
 
 __all__ = ["measuring", "render_inventory", "render_measurements", "render_report", "top_view"]
@@ -295,10 +296,19 @@ def _tflops(value: float | None) -> str:
     return "-" if value is None else f"{value / 1000:.3g}"
 
 
+def _mfu(d: DeviceSummary) -> str:
+    """The best step's model FLOPs utilisation, and the fp32 step's where they differ."""
+    if d.mfu_best is None:
+        return "-"
+    if d.mode == "fp32" or d.mfu_fp32 is None:
+        return f"{d.mfu_best:.1%}"
+    return f"{d.mfu_best:.1%} ({d.mfu_fp32:.1%} fp32)"
+
+
 def devices_table(m: Measurements) -> Table:
     table = Table(title=f"side by side: {m.step}", title_justify="left")
-    for name in ("device", "step fp32", "step best", "x CPU", "fp32 TFLOP/s", "best TFLOP/s",
-                 "memory GB/s", "H2D GB/s"):  # fmt: skip
+    for name in ("device", "step fp32", "step best", "x CPU", "MFU", "fp32 TFLOP/s",
+                 "best TFLOP/s", "memory GB/s", "H2D GB/s"):  # fmt: skip
         table.add_column(name, justify="left" if name == "device" else "right")
     for d in m.devices:
         table.add_row(
@@ -306,6 +316,7 @@ def devices_table(m: Measurements) -> Table:
             _seconds(d.step_fp32),
             f"{_seconds(d.step_best)} {d.mode}",
             "-" if d.vs_cpu is None else f"{d.vs_cpu:.3g}x",
+            _mfu(d),
             _tflops(d.matmul_fp32),
             f"{_tflops(d.matmul_best)} {d.best_dtype}",
             "-" if d.memory is None else f"{d.memory:.3g}",

@@ -207,7 +207,8 @@ def _overlap_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
 # ----------------------------------------------------------------------------- training steps
 
 
-def _mlp(width: int, device: torch.device) -> nn.Module:
+def mlp(width: int, device: torch.device) -> nn.Module:
+    """The doctor's training-step model: LayerNorm, then 4 x (Linear(width, width), GELU)."""
     layers: list[nn.Module] = []
     for _ in range(4):
         layers += [nn.Linear(width, width), nn.GELU()]
@@ -245,7 +246,7 @@ def _mlp_pair(info: DeviceInfo, size: tuple[int, int]) -> list[Callable[[], None
     x = torch.randn(batch, width, device=dev)
     y = torch.randn(batch, width, device=dev)
     mse = nn.functional.mse_loss
-    fp32 = _mlp(width, dev)
+    fp32 = mlp(width, dev)
     out = [train_call(fp32, x, y, mse, Precision(info, "fp32"))]
     best = Precision(info)
     if best.mode != "fp32":

@@ -478,6 +478,9 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
         memory = run.get(d.spec, "memory-copy")
         h2d = run.get(d.spec, "h2d-pinned") or run.get(d.spec, "h2d-pageable")
         best, mode = best_of(step) if step else (None, "fp32")
+        flops = _step_flops(run) if step else None
+        mfu_fp32, src = _mfu(d, run, flops, step["fp32"][0] if step else None, "fp32")
+        mfu_best, src_best = _mfu(d, run, flops, best, mode)
         rows.append(
             DeviceSummary(
                 d.spec,
@@ -491,9 +494,58 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
                 memory.value if memory else None,
                 h2d.value if h2d else None,
                 cpu_step / best if cpu_step and best else None,
+                flops,
+                mfu_fp32,
+                mfu_best if mode != "fp32" else mfu_fp32,
+                "; ".join(dict.fromkeys(x for x in (src, src_best) if x)),
             )
         )
     return tuple(rows)
+
+
+@functools.cache
+def _mlp_step_flops(batch: int, width: int) -> float:
+    """FLOPs of one MLP training step, counted on the meta device (nothing runs)."""
+    from anydevice.doctor.levers import mlp
+    from anydevice.flops import flops
+
+    meta = torch.device("meta")
+    model = mlp(width, meta)
+    x, y = torch.randn(batch, width, device=meta), torch.randn(batch, width, device=meta)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return float(flops(step).total)
+
+
+def _step_flops(run: Run) -> float | None:
+    if run.step_size is None:
+        return None
+    try:
+        return _mlp_step_flops(*run.step_size)
+    except Exception:  # counting is advice on top of the timing, never a reason to fail it
+        return None
+
+
+def _mfu(
+    info: DeviceInfo, run: Run, flops: float | None, seconds: float | None, dtype: str
+) -> tuple[float | None, str]:
+    """The step's model FLOPs utilisation against the datasheet peak of ``dtype`` where
+    the GPU is in the table, else against the matmul the doctor measured here in that
+    dtype; None where neither is known."""
+    if not flops or not seconds:
+        return None, ""
+    table = gpu_peak(info) if info.kind == "cuda" else None
+    if table is not None and dtype in table.tflops:
+        return flops / seconds / (table.tflops[dtype] * 1e12), f"{table.model} datasheet"
+    measured = run.get(info.spec, f"matmul-{dtype}")
+    if measured is None or not measured.value:
+        return None, ""
+    return flops / seconds / (measured.value * 1e9), f"{dtype} matmul measured here"
 
 
 def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load) -> tuple[str, ...]:

@@ -140,6 +140,10 @@ class DeviceSummary:
     memory: float | None  #: GB/s, memory copy
     h2d: float | None  #: GB/s, host to device from pinned memory
     vs_cpu: float | None  #: how many times faster its step is than the CPU's
+    step_flops: float | None = None  #: FLOPs of one step (FlopCounterMode, on meta)
+    mfu_fp32: float | None = None  #: the fp32 step's share of the device's fp32 peak
+    mfu_best: float | None = None  #: the best-mode step's share of that dtype's peak
+    mfu_source: str = ""  #: the peak MFU is taken against
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
