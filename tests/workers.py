@@ -95,3 +95,13 @@ def fail_first_attempt() -> tuple[int, int]:
             raise RuntimeError("failing once")
         d.barrier()
         return d.rank, restarts
+
+
+def sleep_forever(folder: str | None = None) -> None:
+    """Write this process's pid to ``folder/rank<RANK>.pid``, then wait to be stopped."""
+    if folder is not None:
+        path = os.path.join(folder, f"rank{os.environ['RANK']}.pid")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+    time.sleep(600)
