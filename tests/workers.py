@@ -105,3 +105,12 @@ def sleep_forever(folder: str | None = None) -> None:
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
     time.sleep(600)
+
+
+def hang_on(rank: int) -> None:
+    """Rank ``rank`` never reaches the all_reduce the others wait in (10 s timeout)."""
+    with ad.distributed(timeout=10, device="cpu") as d:
+        d.barrier()
+        if d.rank == rank:
+            time.sleep(600)  # HANGS HERE
+        ad.all_reduce(torch.ones(1))

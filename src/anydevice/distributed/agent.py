@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -255,7 +256,7 @@ def _quiet_torch(verbose: bool) -> Iterator[None]:
     if verbose:
         yield
         return
-    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher")
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
     names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith(prefixes)]
     loggers = [logging.getLogger(n) for n in {*names, *prefixes}]
     saved = [(lg, lg.disabled) for lg in loggers]
@@ -285,6 +286,8 @@ def _rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
     host, _, port_text = chosen.rdzv_endpoint.rpartition(":")
     port = int(port_text)
     is_host = chosen.rdzv_configs.get("is_host")
+    if is_host is False:
+        _wait_until_reachable(host, port, timeout)
     handler_type: type[Any] = DynamicRendezvousHandler
     if host in LOOPBACK:
         store = _loopback_store(host, port, is_host, timeout)
@@ -316,6 +319,26 @@ def _rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
     finally:
         with contextlib.suppress(Exception):
             handler.shutdown()
+
+
+def _wait_until_reachable(host: str, port: int, timeout: float) -> None:
+    """Return once ``host:port`` accepts a connection; raise torch's
+    ``RendezvousConnectionError`` after ``timeout`` seconds. (torch's store client waits
+    its timeout per try, and tries twice with a pause between: about twice as long.)"""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    deadline = time.monotonic() + timeout
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RendezvousConnectionError(f"nothing accepted a connection: {last}")
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=min(left, 2.0)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
 
 def _loopback_store(host: str, port: int, is_host: bool | None, timeout: int) -> Any:

@@ -63,6 +63,15 @@ _DIST_ERRORS = ("DistBackendError", "DistNetworkError", "DistStoreError")
 #: The C++ source location gloo puts before its messages.
 _SOURCE_LINE = re.compile(r"\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 
+#: Frames of the machinery that runs a rank (shown below the rank's own in a stack).
+_LAUNCHER_FRAMES = (
+    "anydevice/distributed/runner.py",
+    "torch/distributed/elastic/",
+    "torch/multiprocessing/",
+    "<frozen runpy>",
+    '"<string>"',
+)
+
 #: Stack lines shown per stuck rank.
 _STACK_LINES = 24
 
@@ -172,7 +181,7 @@ def worker_failed(
     stopped = {f.local_rank for f in failures if not (f.trace or f.message or f.own)}
     stuck = _stuck(err, nprocs, launch_dir, {f.local_rank for f in failures} - stopped)
     own = [f for f in failures if f.own]
-    idle = {r: s for r, s in stuck.items() if "torch/distributed/" not in s}
+    idle = {r: s for r, s in stuck.items() if not _in_collective(s)}
     if own or not idle:
         first = min(own or failures, key=lambda f: (f.time, f.rank))
         lines = _blame(first)
@@ -251,6 +260,13 @@ def flight_summary(folder: Path) -> list[str]:
 # ----------------------------------------------------------------------------- internals
 
 
+def _in_collective(stack: str) -> bool:
+    """Whether the innermost frame of a dumped stack is torch.distributed's (waiting in a
+    collective or a store), rather than the rank's own code."""
+    frames = [line for line in stack.splitlines()[1:] if line.strip().startswith("File ")]
+    return bool(frames) and "torch/distributed/" in frames[0].replace("\\", "/")
+
+
 def _blame(first: _Failure) -> list[str]:
     if first.trace or first.pid is None:
         how = "raised"
@@ -282,11 +298,11 @@ def _never_arrived(idle: dict[int, str], failures: list[_Failure]) -> list[str]:
         f"waited for them and gave up ({said or 'a collective failed'})."
     ]
     for rank, stack in sorted(idle.items()):
-        frames = [
-            line
-            for line in stack.splitlines()[1:]
-            if "<frozen runpy>" not in line and "anydevice/distributed/runner.py" not in line
-        ]
+        frames = []
+        for line in stack.splitlines()[1:]:
+            if any(mark in line.replace("\\", "/") for mark in _LAUNCHER_FRAMES):
+                break  # what started the rank, not where it was
+            frames.append(line)
         lines += ["", f"Where rank {rank} was when it was stopped (most recent call first):"]
         lines += ["  " + line.strip() for line in frames]
     return lines
