@@ -356,6 +356,19 @@ def test_the_raising_rank_is_named_in_every_run(tmp_path):
         assert left_behind(folder, grace=0) == [], folder
 
 
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_a_hung_rank_under_nccl_is_named_with_the_flight_recorder():
+    if len(ad.devices("cuda")) < 2:
+        pytest.skip("needs two GPUs for two NCCL ranks")
+    with pytest.raises(ad.WorkerFailedError) as info:
+        ad.launch(workers.hang_on_device, 1, nprocs=2, timeout=120)
+    message = str(info.value)
+    assert message.startswith("Rank(s) 1 never arrived: rank(s) 0 waited"), message
+    assert "NCCL flight recorder, the last collective of each rank:" in message
+    assert "in hang_on_device" in message  # rank 1's stack
+
+
 # ----------------------------------------------------------------------------- pure parts
 
 

@@ -114,3 +114,13 @@ def hang_on(rank: int) -> None:
         if d.rank == rank:
             time.sleep(600)  # HANGS HERE
         ad.all_reduce(torch.ones(1))
+
+
+def hang_on_device(rank: int) -> None:
+    """As :func:`hang_on`, on each rank's own device (NCCL on GPUs)."""
+    with ad.distributed(timeout=10) as d:
+        d.barrier()
+        if d.rank == rank:
+            time.sleep(600)
+        ad.all_reduce(torch.ones(1, device=d.device))
+        torch.cuda.synchronize()

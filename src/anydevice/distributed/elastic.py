@@ -1,6 +1,6 @@
 """``ad.launch(fn, ...)``: one process per device through torch's elastic agent.
 
-The agent is the one ``torchrun`` runs (``torch.distributed.launcher.api.elastic_launch``):
+The agent is the one ``torchrun`` runs (``LocalElasticAgent``, built in :mod:`.agent`):
 it rendezvouses the nodes, starts and watches the workers, restarts them, records each
 worker's traceback in an error file, and stops the others when one fails. anydevice only
 fills in its configuration — the parts that are easy to get wrong:

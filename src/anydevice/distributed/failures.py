@@ -33,7 +33,7 @@ import re
 import signal
 import time
 import traceback as tb
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ _LAUNCHER_FRAMES = (
     "<frozen runpy>",
     '"<string>"',
 )
+
+#: What a rank that NCCL's watchdog aborted (SIGABRT, with a flight recorder dump) says.
+_WATCHDOG = "NCCL's watchdog aborted it: a collective timed out (its flight record was dumped)"
 
 #: Stack lines shown per stuck rank.
 _STACK_LINES = 24
@@ -177,7 +180,7 @@ def worker_failed(
     arrived with their stacks, and the other ranks that failed. ``nprocs`` is the number
     of local ranks, ``launch_dir`` where they dumped their stacks, ``keep`` the log
     directory kept for the user, if any."""
-    failures = _failures(err, nprocs)
+    failures = _failures(err, nprocs, launch_dir)
     stopped = {f.local_rank for f in failures if not (f.trace or f.message or f.own)}
     stuck = _stuck(err, nprocs, launch_dir, {f.local_rank for f in failures} - stopped)
     own = [f for f in failures if f.own]
@@ -308,7 +311,9 @@ def _never_arrived(idle: dict[int, str], failures: list[_Failure]) -> list[str]:
     return lines
 
 
-def _failures(err: Any, nprocs: int) -> list[_Failure]:
+def _failures(
+    err: Any, nprocs: int, launch_dir: str | os.PathLike[str] | None = None
+) -> list[_Failure]:
     """Every local rank that left a record or a failing exit code."""
     reported = {int(r): f for r, f in err.failures.items()}
     rank, failure = next(iter(reported.items()))
@@ -321,6 +326,12 @@ def _failures(err: Any, nprocs: int) -> list[_Failure]:
             found[local] = _from_record(base + local, local, data, reported.get(base + local))
         elif base + local in reported:
             found[local] = _from_monitor(base + local, reported[base + local])
+            if found[local].exitcode == -signal.SIGABRT and launch_dir is not None:
+                dump = Path(launch_dir) / "flight" / f"rank{base + local}"
+                if dump.exists():  # NCCL's watchdog aborted it on a collective's timeout
+                    found[local] = replace(
+                        found[local], message=_WATCHDOG, consequence=True, trace=""
+                    )
     if not found:  # error files elsewhere than torch's layout: trust the monitor
         found = {f.local_rank: _from_monitor(r, f) for r, f in reported.items()}
     return list(found.values())
