@@ -270,14 +270,23 @@ def signals(folder: Path, src: str | None) -> dict[str, Any]:
             pids = case.pids(2)
             sent = time.time()
             os.kill(case.proc.pid, sig)
-            res = case.finish(timeout=120)
+            exited = None
             deadline = time.monotonic() + 30
-            while any(_running(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while time.monotonic() < deadline and (
+                exited is None or any(_running(p) for p in pids)
+            ):
+                if exited is None and case.proc.poll() is not None:
+                    exited = time.time() - sent
+                time.sleep(0.02)
             gone = time.time() - sent
+            survivors = [p for p in pids if _running(p)]
+            for pid in survivors:  # measured: now end them, or the pipes never close
+                os.kill(pid, signal.SIGKILL)
+            res = case.finish(timeout=60)
             out[f"{sig.name} / {name}"] = {
-                "workers_gone_s": gone if not any(_running(p) for p in pids) else None,
-                "exit_s": res["ended"] - sent,
+                "workers_gone_s": None if survivors else gone,
+                "still_running_after_30s": len(survivors),
+                "exit_s": exited,
                 "code": res["code"],
                 "stderr_lines": len(res["err"].splitlines()),
                 "leaked_semaphore": "leaked semaphore" in res["err"],
@@ -314,7 +323,8 @@ def main() -> None:
         "signals": lambda: signals(folder, args.src),
     }
     found = {k: fn() for k, fn in parts.items() if not args.only or k in args.only}
-    result = Result("launch-faults" + ("-src" if args.src else ""), "s")
+    name = "launch-faults" + (f"-{'-'.join(args.only)}" if args.only else "")
+    result = Result(name + ("-src" if args.src else ""), "s")
     for name, r in found.get("raise", {}).items():
         result.add(f"raise / {name}", r["seconds"])
     for name, r in found.get("hang", {}).items():
