@@ -28,6 +28,10 @@ from ranks import free_port, process_tree_guard
 
 CPU = {"ANYDEVICE_DEVICE": "cpu"}
 
+#: Launches side by side on a loaded machine can take minutes to import torch everywhere;
+#: each process is bounded by its own, tighter, timeout below.
+pytestmark = pytest.mark.timeout(300)
+
 #: Rank 0 lists what the launcher and every process under it listen on; rank 1 then
 #: never reaches the all_reduce that ranks 0 and 2 wait in, under a 10 s timeout.
 HANG = """\
