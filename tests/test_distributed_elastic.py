@@ -264,8 +264,9 @@ def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     t = time.perf_counter()
     with pytest.raises(ad.WorkerFailedError) as info:
         # Rank 1 raises, then lingers: rank 0 fails on the closed connection and is seen
-        # first, and rank 1 is stopped before its @record runs. Rank 1 is still the cause.
-        ad.launch(workers.fail_on, 1, 20.0, nprocs=2, timeout=60)
+        # first, and rank 1 is stopped before its exception leaves the worker. Rank 1 is
+        # still the cause: ad.distributed recorded its error before closing the group.
+        ad.launch(workers.fail_on, 1, 60.0, nprocs=2, timeout=60)
     elapsed = time.perf_counter() - t
     err = info.value
     assert err.rank == 1
@@ -275,7 +276,7 @@ def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     assert str(err).startswith("Rank 1 ")
     assert "injected failure on rank 1" in str(err)
     assert "rank(s) 0" in str(err)  # the bystander is named as such
-    assert elapsed < 20, f"the failure took {elapsed:.1f} s to surface"
+    assert elapsed < 50, f"the failure took {elapsed:.1f} s to surface"  # not the linger
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 

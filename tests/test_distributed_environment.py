@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from anydevice.distributed.environment import (
@@ -84,6 +88,37 @@ def test_rank_outside_the_world_is_refused():
 def test_garbled_numbers_name_the_variable():
     with pytest.raises(DistributedError, match="RANK='one'"):
         detect({**TORCHRUN_RANK3, "RANK": "one"})
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is not at least 1: WORLD_SIZE is the number"),
+        ({"WORLD_SIZE": "abc"}, r"WORLD_SIZE='abc' is not a whole number"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, r"RANK='-1' is not at least 0"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, r"LOCAL_RANK='x' is not a whole"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, r"LOCAL_WORLD_SIZE='0'"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, r"between 1 and 65535"),
+        ({"TORCHELASTIC_RUN_ID": "j", "RANK": "0", "WORLD_SIZE": "-3"}, r"WORLD_SIZE='-3'"),
+    ],
+)
+def test_a_bad_value_is_named_with_what_is_wrong(env, match):
+    with pytest.raises(DistributedError, match=match):
+        detect(env)
+
+
+def test_a_world_size_of_zero_is_refused_in_a_real_process():
+    code = "import anydevice as ad\nwith ad.distributed():\n    print('trained alone')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "WORLD_SIZE": "0"},
+    )
+    assert out.returncode == 1
+    assert "trained alone" not in out.stdout
+    assert "DistributedError: WORLD_SIZE='0' is not at least 1" in out.stderr
 
 
 def test_srun_task_reads_slurm_variables():

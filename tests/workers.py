@@ -95,3 +95,32 @@ def fail_first_attempt() -> tuple[int, int]:
             raise RuntimeError("failing once")
         d.barrier()
         return d.rank, restarts
+
+
+def sleep_forever(folder: str | None = None) -> None:
+    """Write this process's pid to ``folder/rank<RANK>.pid``, then wait to be stopped."""
+    if folder is not None:
+        path = os.path.join(folder, f"rank{os.environ['RANK']}.pid")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+    time.sleep(600)
+
+
+def hang_on(rank: int) -> None:
+    """Rank ``rank`` never reaches the all_reduce the others wait in (10 s timeout)."""
+    with ad.distributed(timeout=10, device="cpu") as d:
+        d.barrier()
+        if d.rank == rank:
+            time.sleep(600)  # HANGS HERE
+        ad.all_reduce(torch.ones(1))
+
+
+def hang_on_device(rank: int) -> None:
+    """As :func:`hang_on`, on each rank's own device (NCCL on GPUs)."""
+    with ad.distributed(timeout=10) as d:
+        d.barrier()
+        if d.rank == rank:
+            time.sleep(600)
+        ad.all_reduce(torch.ones(1, device=d.device))
+        torch.cuda.synchronize()

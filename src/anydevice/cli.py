@@ -351,7 +351,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=300.0,
         metavar="S",
-        help="seconds to wait for all nodes to join (default 300)",
+        help="seconds any wait may last: reaching the rendezvous, all nodes joining (default 300)",
     )
     p.add_argument(
         "--log-dir",
@@ -366,15 +366,28 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for torchrun's sake: one node is the default",
     )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show torch elastic's own log lines and every failing worker's traceback",
+    )
     p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module")
     p.add_argument("target", metavar="SCRIPT", help="the script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
 
 
 def _launch(args: argparse.Namespace) -> int:
+    import signal
+
     from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
 
+    def stop(signum: int, frame: object) -> None:  # before and after the agent's own
+        raise SystemExit(128 + signum)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, stop)
     try:
         return launch_script(
             args.target,
@@ -388,6 +401,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             timeout=args.timeout,
             log_dir=args.log_dir,
+            verbose=args.verbose,
         )
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
@@ -395,6 +409,17 @@ def _launch(args: argparse.Namespace) -> int:
     except (DistributedError, ValueError, LookupError, OSError) as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("anydevice launch: interrupted (SIGINT); the workers were stopped.", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except SystemExit as e:  # SIGTERM, SIGHUP, SIGQUIT: 128 + the signal
+        code = e.code if isinstance(e.code, int) else 1
+        if code > 128:
+            name = signal.Signals(code - 128).name
+            print(
+                f"anydevice launch: stopped by {name}; the workers were stopped.", file=sys.stderr
+            )
+        return code
 
 
 COMMANDS: dict[str, Command] = {

@@ -375,14 +375,14 @@ def _meeting(world: World, init_method: str) -> str:
 
 
 def _record_for_launcher(e: Exception) -> None:
-    """Write the error to this worker's torchelastic error file now, before the teardown
-    closes the group: the peers fail at once on the closed connection, and the launcher
-    must find this worker's traceback (the root cause) when it looks. The worker's own
-    ``@record`` later writes the same exception over it."""
+    """Write the error to this worker's error file now, before the teardown closes the
+    group: the peers fail at once on the closed connection, and the launcher must find
+    this worker's own error, with the time it happened, when it looks. The first record
+    of a process is kept (:func:`anydevice.distributed.failures.record`)."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        from anydevice.distributed.failures import record
 
-        ErrorHandler().record_exception(e)
+        record(e)
 
 
 def _teardown() -> None:

@@ -1,6 +1,6 @@
 """``ad.launch(fn, ...)``: one process per device through torch's elastic agent.
 
-The agent is the one ``torchrun`` runs (``torch.distributed.launcher.api.elastic_launch``):
+The agent is the one ``torchrun`` runs (``LocalElasticAgent``, built in :mod:`.agent`):
 it rendezvouses the nodes, starts and watches the workers, restarts them, records each
 worker's traceback in an error file, and stops the others when one fails. anydevice only
 fills in its configuration — the parts that are easy to get wrong:
@@ -16,42 +16,43 @@ fills in its configuration — the parts that are easy to get wrong:
   cores (torchrun gives each 1).
 * **Logs** go to a temporary directory that is removed afterwards, unless ``log_dir`` is given.
 * **Spawn** by default: forking after CUDA or ``torch._dynamo`` was loaded is unsafe.
+* **Faults** (:mod:`~anydevice.distributed.agent`): nothing listens beyond loopback on one
+  node, every wait is bounded by ``timeout``, workers die with the launcher, a hung rank is
+  named with its stack, and nothing is left behind.
 
 Environment variables change only for the duration of the launch and are restored after.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
-import signal
 import sys
-import tempfile
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from anydevice.distributed import environment
+from anydevice.distributed.agent import LOOPBACK, run_agent, scoped_environ
 from anydevice.distributed.environment import World
-from anydevice.distributed.failures import worker_failed
-from anydevice.errors import (
-    DeviceNotFoundError,
-    DistributedError,
-    DistributedTimeoutError,
-)
+from anydevice.errors import DeviceNotFoundError, DistributedError
 from anydevice.inventory import Inventory
 
-__all__ = ["LaunchPlan", "launch", "launch_script", "plan", "resolve_nprocs", "run_agent"]
+__all__ = [
+    "LaunchPlan",
+    "launch",
+    "launch_script",
+    "plan",
+    "resolve_nprocs",
+    "run_agent",
+    "scoped_environ",
+]
 
 logger = logging.getLogger("anydevice")
 
 T = TypeVar("T")
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def launch(
     start_method: str = "spawn",
     timeout: float = 300.0,
     log_dir: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
 ) -> dict[int, T]:
     """Run ``fn(*args)`` in one process per device and return what each rank returned.
 
@@ -134,9 +136,12 @@ def launch(
         max_restarts: how often to restart the workers of this node after a failure.
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"`` (faster, but
             unsafe once CUDA or ``torch._dynamo`` was loaded in this process).
-        timeout: seconds to wait for all nodes to join.
+        timeout: seconds that any wait of the launcher may last: reaching the rendezvous,
+            all nodes joining, the nodes finishing together.
         log_dir: keep each worker's logs and error files there (default: a temporary
-            directory, removed afterwards).
+            directory, removed afterwards, also when the launcher is killed).
+        verbose: let torch elastic's own log lines through, and have each failing worker
+            print its traceback as well as the summary.
 
     Returns:
         ``{global_rank: return value}`` for the workers this call ran, in rank order. On one
@@ -145,9 +150,14 @@ def launch(
         ``ad.all_gather``). In place under a launcher: ``{this rank: fn(*args)}``.
 
     Raises:
-        WorkerFailedError: a worker failed; the message names the first rank that failed
-            and carries its traceback. The other workers are stopped.
-        DistributedTimeoutError: not all nodes joined within ``timeout``.
+        WorkerFailedError: a worker failed; the message names the rank that caused it
+            and carries its traceback, or names the ranks that never arrived where the
+            others timed out waiting, with their stacks. The other workers are stopped.
+        DistributedTimeoutError: not all nodes joined within ``timeout``, or the
+            rendezvous endpoint could not be reached within it.
+        KeyboardInterrupt: SIGINT (Ctrl-C) reached the launcher; the workers were stopped.
+        SystemExit: SIGTERM, SIGHUP or SIGQUIT reached the launcher; the workers were
+            stopped; the code is 128 + the signal's number (143 for SIGTERM).
         DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
             ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``).
         DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
@@ -159,7 +169,7 @@ def launch(
         world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, start_method, timeout
     )
     _check_sendable(fn, args, start_method)
-    results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir)
+    results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir, verbose=verbose)
     return results
 
 
@@ -176,6 +186,7 @@ def launch_script(
     max_restarts: int = 0,
     timeout: float = 300.0,
     log_dir: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
 ) -> int:
     """``anydevice launch``: run a script (or ``-m`` module) in one process per device.
 
@@ -203,7 +214,7 @@ def launch_script(
         world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, "spawn", timeout
     )
     head = ["-u", "-m", "anydevice.distributed.runner", *(["-m"] if module else [])]
-    run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir)
+    run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir, verbose=verbose)
     return 0
 
 
@@ -291,7 +302,7 @@ def plan(
         host = _endpoint_host(rdzv_endpoint)
         endpoint, name = rdzv_endpoint, run_id or "anydevice"
         # Nodes meeting on a loopback address are all on this machine: stay there.
-        local_addr = host if host in _LOOPBACK else None
+        local_addr = host if host in LOOPBACK else None
         if node_rank is not None:
             configs["is_host"] = node_rank == 0
     extra: dict[str, str] = {}
@@ -312,111 +323,6 @@ def plan(
         local_addr=local_addr,
         env=extra,
     )
-
-
-def run_agent(
-    chosen: LaunchPlan,
-    entrypoint: Callable[..., Any] | str,
-    args: tuple[Any, ...] | list[Any],
-    *,
-    log_dir: str | os.PathLike[str] | None = None,
-) -> dict[int, Any]:
-    """Run torch's elastic agent with ``chosen`` and translate its failures.
-
-    ``entrypoint`` is a function, or an executable (``sys.executable`` for scripts).
-    """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import (
-        RendezvousConnectionError,
-        RendezvousTimeoutError,
-    )
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    with contextlib.ExitStack() as stack:
-        root = str(log_dir) if log_dir is not None else None
-        if root is None:
-            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="anydevice-launch-"))
-        stack.enter_context(scoped_environ(chosen.env))
-        stack.enter_context(_scoped_signal_handlers())
-        # LaunchConfig asks torch.cuda.is_available() (for NUMA binding), which initialises
-        # the CUDA driver here and would leave forked workers without CUDA: ask NVML.
-        with scoped_environ({"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}):
-            config = LaunchConfig(
-                min_nodes=chosen.min_nodes,
-                max_nodes=chosen.max_nodes,
-                nproc_per_node=chosen.nproc_per_node,
-                run_id=chosen.run_id,
-                rdzv_backend="c10d",
-                rdzv_endpoint=chosen.rdzv_endpoint,
-                rdzv_configs=dict(chosen.rdzv_configs),
-                max_restarts=chosen.max_restarts,
-                start_method=chosen.start_method,
-                local_addr=chosen.local_addr,
-                logs_specs=DefaultLogsSpecs(log_dir=root),
-            )
-        logger.info("launching %s", chosen.describe())
-        try:
-            out: dict[int, Any] = elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as e:
-            raise worker_failed(e, keep=log_dir) from e
-        except RendezvousTimeoutError as e:
-            raise DistributedTimeoutError(
-                f"Not all nodes joined within {chosen.rdzv_configs['join_timeout']} s: "
-                f"{chosen.describe()}. Start the same launch on every node, with the same "
-                f"rdzv_endpoint and run_id, and check that {chosen.rdzv_endpoint} is "
-                "reachable from each; or wait longer (timeout=, --timeout)."
-            ) from e
-        except RendezvousConnectionError as e:
-            raise DistributedError(
-                f"Cannot reach the rendezvous at {chosen.rdzv_endpoint} ({e.__cause__ or e}). "
-                "Start node_rank=0 on that host first, or fix the address and port."
-            ) from e
-        return dict(sorted(out.items()))
-
-
-@contextlib.contextmanager
-def scoped_environ(updates: Mapping[str, str]) -> Iterator[None]:
-    """Set ``updates`` in ``os.environ`` for the block, then put the whole environment back
-    as it was, also on error — including what torch's launcher writes into it
-    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, ``TORCHINDUCTOR_CACHE_DIR``).
-
-    >>> with scoped_environ({"ANYDEVICE_EXAMPLE": "1"}):
-    ...     os.environ["ANYDEVICE_EXAMPLE"]
-    '1'
-    >>> "ANYDEVICE_EXAMPLE" in os.environ
-    False
-    """
-    saved = dict(os.environ)
-    os.environ.update(updates)
-    try:
-        yield
-    finally:
-        for k in set(os.environ) - set(saved):
-            del os.environ[k]
-        for k, v in saved.items():
-            if os.environ.get(k) != v:
-                os.environ[k] = v
-
-
-# ----------------------------------------------------------------------------- internals
-
-
-@contextlib.contextmanager
-def _scoped_signal_handlers() -> Iterator[None]:
-    """Put back the handlers torch's agent installs (SIGINT, SIGTERM, ...) when it is done:
-    otherwise Ctrl-C after a launch raises torch's SignalException, not KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-    saved = {s: signal.getsignal(s) for n in names if (s := getattr(signal, n, None))}
-    try:
-        yield
-    finally:
-        for s, handler in saved.items():
-            if handler is not None:
-                signal.signal(s, handler)
 
 
 def _plan_here(

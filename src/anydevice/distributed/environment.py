@@ -96,6 +96,8 @@ def detect(environ: Mapping[str, str] | None = None) -> World:
             ``RANK``, a rank outside the world), so the world cannot be known.
     """
     env = os.environ if environ is None else environ
+    if env.get("TORCHELASTIC_RUN_ID") or "RANK" in env or "WORLD_SIZE" in env:
+        _check_values(env)
     if env.get("TORCHELASTIC_RUN_ID"):
         return _torchelastic(env)
     if "RANK" in env or "WORLD_SIZE" in env:
@@ -246,6 +248,42 @@ def _mpi(env: Mapping[str, str]) -> World | None:
                 )
             )
     return None
+
+
+#: torchrun's variables: (what each means, its smallest value).
+_MEANING = {
+    "WORLD_SIZE": ("the number of processes in the job", 1),
+    "RANK": ("this process's place in the job, 0 to WORLD_SIZE - 1", 0),
+    "LOCAL_RANK": ("this process's place on its machine, 0 to LOCAL_WORLD_SIZE - 1", 0),
+    "LOCAL_WORLD_SIZE": ("the number of processes on this machine", 1),
+    "NODE_RANK": ("this machine's place among the machines", 0),
+    "GROUP_RANK": ("this machine's place among the machines", 0),
+    "MASTER_PORT": ("the TCP port rank 0 listens on, 1 to 65535", 1),
+}
+
+
+def _check_values(env: Mapping[str, str]) -> None:
+    """Each of torchrun's variables that is set is a whole number in its range."""
+    for name, (meaning, least) in _MEANING.items():
+        text = env.get(name)
+        if text is None or not text.strip():
+            continue
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        port_ok = name != "MASTER_PORT" or (value is not None and value <= 65535)
+        if value is not None and value >= least and port_ok:
+            continue
+        kind = "a whole number" if value is None else f"at least {least}"
+        if name == "MASTER_PORT" and value is not None:
+            kind = "between 1 and 65535"
+        raise DistributedError(
+            f"{name}={text!r} is not {kind}: {name} is {meaning}. Whatever set it "
+            "(a launcher, a job script, a shell profile) set it wrong: unset it to run as a "
+            "single process, or start the job with `anydevice launch` or torchrun, which "
+            "set it for each process."
+        )
 
 
 def _int(env: Mapping[str, str], name: str, launcher: str, default: int | None = None) -> int:

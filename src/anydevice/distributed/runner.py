@@ -1,29 +1,109 @@
-"""Run a script as one launched worker: ``python -m anydevice.distributed.runner SCRIPT ARGS``.
+"""How a launched worker runs: ``python -m anydevice.distributed.runner SCRIPT ARGS``, or
+:func:`call` for ``ad.launch``'s functions.
 
-``anydevice launch`` starts each worker through this module rather than as ``python
-SCRIPT``, so that an exception in the script is written to the worker's error file (torch's
-``@record``) and the launcher can name the failing rank with its traceback — without the
-script having to decorate anything. The script runs as ``__main__`` with ``sys.argv`` and
-``sys.path[0]`` as ``python SCRIPT ARGS`` would give it; ``-m MODULE`` runs a module the way
-``python -m MODULE`` does.
+Every worker anydevice starts goes through :func:`worker`, which
+
+* **dies with its launcher**: ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a thread watching
+  the parent elsewhere; a launcher killed with SIGKILL leaves no worker running;
+* **dumps its Python stacks when it is stopped**: ``faulthandler`` on SIGTERM, into a file
+  the launcher reads, so a rank that hung is shown where it hung (what ``py-spy dump``
+  shows), then dies as SIGTERM would have it;
+* **records its exception** for the launcher (:func:`anydevice.distributed.failures.record`)
+  and exits with code 1 without printing the traceback, which the launcher's summary
+  carries (``ANYDEVICE_LAUNCH_VERBOSE=1``, ``--verbose``, prints it here too). Exiting
+  through ``SystemExit`` also keeps torch from leaving a ``pytorch-errorfile-*.pickle``.
+
+The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python SCRIPT
+ARGS`` would give it; ``-m MODULE`` runs a module as ``python -m MODULE`` does. Outside an
+anydevice launch (under torchrun, or run in place), it records the exception in torch's
+error file and lets it go on, as torch's ``@record`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import faulthandler
 import os
 import runpy
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
-__all__ = ["main", "run"]
+__all__ = ["call", "main", "run", "worker"]
+
+T = TypeVar("T")
+
+#: Set by the launcher in every worker's environment.
+LAUNCH_DIR = "ANYDEVICE_LAUNCH_DIR"  #: where workers dump their stacks
+LAUNCHER_PID = "ANYDEVICE_LAUNCHER_PID"  #: the process whose death ends the workers
+VERBOSE = "ANYDEVICE_LAUNCH_VERBOSE"  #: "1": print each worker's traceback as well
+
+_PR_SET_PDEATHSIG = 1
 
 
 def run(target: str, args: Sequence[str], *, module: bool = False) -> None:
-    """Run ``target`` (a script path, or a module name when ``module``) as ``__main__``,
-    recording an uncaught exception in ``TORCHELASTIC_ERROR_FILE`` when that is set."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+    """Run ``target`` (a script path, or a module name when ``module``) as ``__main__``
+    as a launched worker (see :func:`worker`)."""
+    with worker():
+        _execute(target, list(args), module)
 
-    record(_execute)(target, list(args), module)
+
+def call(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` as a launched worker: what ``ad.launch`` sends to each process."""
+    with worker():
+        return fn(*args)
+
+
+@contextlib.contextmanager
+def worker() -> Iterator[None]:
+    """Arm this process as a launched worker for the block (see the module docstring)."""
+    launched = LAUNCH_DIR in os.environ
+    if launched:
+        _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
+        _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as e:
+        from anydevice.distributed import failures
+
+        failures.record(e)
+        if not launched:
+            raise
+        if os.environ.get(VERBOSE) == "1":
+            traceback.print_exc()
+        raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1) from None
+
+
+def _die_with_launcher(launcher: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() == 1 != launcher:  # orphaned before the line above took hold
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="anydevice-launcher-watch", daemon=True).start()
+
+
+def _dump_stacks_on_sigterm(launch_dir: str) -> None:
+    from anydevice.distributed.failures import stacks_file
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    path = stacks_file(launch_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dump = path.open("w")  # faulthandler holds it open for the life of the process
+    faulthandler.register(signal.SIGTERM, file=dump, all_threads=True, chain=True)
 
 
 def _execute(target: str, args: list[str], module: bool) -> None:
