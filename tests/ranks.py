@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 
 #: Helper processes Python keeps for the life of the parent; not leftovers of a test.
 _KEPT = ("resource_tracker", "forkserver")
@@ -109,6 +110,9 @@ def _child(
     # stores and loader iterators may lie in unreachable cycles, and destroying them here
     # (ad.distributed's gc.collect() on exit) aborts in C++ threads the fork did not copy.
     gc.freeze()
+    # pytest's process has run OpenMP regions; GNU OpenMP hangs the first parallel op of a
+    # process forked after that, so a forked rank computes on one thread.
+    torch.set_num_threads(1)
     code = 0
     with stacks.open("w") as dump:  # where a hung rank was, for the parent's error
         faulthandler.enable(file=dump)  # a crash (SIGABRT, SIGSEGV) leaves its stacks too

@@ -12,6 +12,8 @@ import operator
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -318,3 +320,44 @@ def test_fork_start_method_launches_from_this_process():
 def test_max_restarts_restarts_a_worker_that_fails_once():
     results = ad.launch(workers.fail_first_attempt, nprocs=2, max_restarts=1, timeout=60)
     assert results == {0: (0, 1), 1: (1, 1)}  # both ranks finished, on the second attempt
+
+
+_AFTER_OPENMP = """
+import torch
+
+import anydevice as ad
+
+
+def work():
+    y = torch.nn.functional.gelu(torch.randn(2048, 2048))  # a parallel op in the worker
+    return torch.get_num_threads() if bool(torch.isfinite(y).all()) else -1
+
+
+if __name__ == "__main__":
+    x = torch.randn(2048, 2048)
+    for _ in range(3):
+        torch.nn.functional.gelu(x)  # the launcher uses OpenMP's threads before forking
+    print("result", ad.launch(work, nprocs=2, start_method="fork", timeout=60), flush=True)
+"""
+
+
+def test_fork_workers_compute_after_the_launcher_used_openmp(tmp_path):
+    # GNU OpenMP hangs the first parallel op of a process forked after its parent ran
+    # parallel regions: forked workers must compute on one thread, not wait forever.
+    script = tmp_path / "after_openmp.py"
+    script.write_text(_AFTER_OPENMP)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("forked workers hung in their first parallel op (killed after 100 s)")
+    assert proc.returncode == 0, err[-2000:]
+    assert "result {0: 1, 1: 1}" in out, out + err[-2000:]

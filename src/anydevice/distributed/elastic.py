@@ -311,6 +311,10 @@ def plan(
         extra[unshared] = "1"
     if nprocs > 1 and cores and "OMP_NUM_THREADS" not in env:
         extra["OMP_NUM_THREADS"] = str(max(1, cores // nprocs))
+    if start_method == "fork":
+        from anydevice.distributed.runner import FORKED
+
+        extra[FORKED] = "1"  # one intra-op thread: see runner._one_thread_after_fork
     return LaunchPlan(
         nproc_per_node=nprocs,
         min_nodes=min_nodes,

@@ -42,6 +42,7 @@ T = TypeVar("T")
 LAUNCH_DIR = "ANYDEVICE_LAUNCH_DIR"  #: where workers dump their stacks
 LAUNCHER_PID = "ANYDEVICE_LAUNCHER_PID"  #: the process whose death ends the workers
 VERBOSE = "ANYDEVICE_LAUNCH_VERBOSE"  #: "1": print each worker's traceback as well
+FORKED = "ANYDEVICE_LAUNCH_FORKED"  #: "1": this worker was forked from the launcher
 
 _PR_SET_PDEATHSIG = 1
 
@@ -63,6 +64,8 @@ def call(fn: Callable[..., T], *args: Any) -> T:
 def worker() -> Iterator[None]:
     """Arm this process as a launched worker for the block (see the module docstring)."""
     launched = LAUNCH_DIR in os.environ
+    if os.environ.get(FORKED) == "1":
+        _one_thread_after_fork()
     if launched:
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
@@ -77,6 +80,19 @@ def worker() -> Iterator[None]:
         if os.environ.get(VERBOSE) == "1":
             traceback.print_exc()
         raise SystemExit(130 if isinstance(e, KeyboardInterrupt) else 1) from None
+
+
+def _one_thread_after_fork() -> None:
+    """Run torch's CPU ops on one thread in a worker forked from the launcher.
+
+    GNU OpenMP (the runtime of torch's Linux wheels) cannot start threads in a process
+    forked after its parent used them: the child's first parallel op waits forever for the
+    parent's pool. With one thread torch never enters a parallel region. torch's own
+    DataLoader workers run on one thread for the same reason.
+    """
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _die_with_launcher(launcher: int) -> None:
