@@ -27,6 +27,8 @@ DOCUMENTED = {
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
     "prepare", "share", "unwrap",
+    # kernels
+    "ExtensionError", "load_extension",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

@@ -38,6 +38,7 @@ from anydevice.errors import (
     DeviceSpecError,
     DistributedError,
     DistributedTimeoutError,
+    ExtensionError,
     MeasurementError,
     MoveError,
     NoTensorError,
@@ -46,6 +47,7 @@ from anydevice.errors import (
     VisibilityError,
     WorkerFailedError,
 )
+from anydevice.extension import load_extension
 from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
 from anydevice.layout import channels_last
 from anydevice.loader import DeviceLoader, LoaderStats
@@ -80,6 +82,7 @@ __all__ = [
     "Distributed",
     "DistributedError",
     "DistributedTimeoutError",
+    "ExtensionError",
     "HostInfo",
     "Inventory",
     "LoaderStats",
@@ -118,6 +121,7 @@ __all__ = [
     "inventory",
     "launch",
     "load",
+    "load_extension",
     "memory",
     "nvtx_range",
     "precision",
