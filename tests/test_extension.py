@@ -1,8 +1,8 @@
 """load_extension builds real extensions with the real compiler, ninja and torch headers.
 
-One operator is built once per test session (into a temporary cache folder) and shared by
-the tests; the failure paths run for real: a PATH without ninja, a compiler that is not
-there, a source that does not compile.
+One operator, the example's (examples/custom_kernel), is built once per test session into a
+temporary cache folder that tests/test_examples.py shares. The failure paths run for real:
+a PATH without ninja, a compiler that is not there, a source that does not compile.
 """
 
 from __future__ import annotations
@@ -21,49 +21,17 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.extension import _key, arch_flags, find_compiler, find_ninja, first_errors
+from anydevice.extension import _key, arch_flags, find_compiler, first_errors
 
-# A CPU kernel registered with TORCH_LIBRARY; light headers keep the build short.
-OP_CPP = r"""
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "custom_kernel"
+SOURCES = [EXAMPLE / "bias_gelu.cpp", EXAMPLE / "bias_gelu_cuda.cu"]
 
-at::Tensor scale_add(const at::Tensor& x, double scale) { return x.mul(scale).add(1); }
 
-TORCH_LIBRARY(ad_ext_test, m) {
-  m.def("scale_add(Tensor x, float scale) -> Tensor");
-  m.impl("scale_add", c10::DispatchKey::CPU, &scale_add);
-}
-"""
-
-# Its CUDA kernel, registered for the CUDA dispatch key of the same operator.
-OP_CU = r"""
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
-__global__ void scale_add_kernel(const float* x, float* y, float scale, int64_t n) {
-  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (i < n) y[i] = x[i] * scale + 1.0f;
-}
-
-at::Tensor scale_add_cuda(const at::Tensor& x, double scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "float32 only");
-  at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty_like(xc);
-  int64_t n = xc.numel();
-  int threads = 256;
-  int blocks = (int)((n + threads - 1) / threads);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  if (n > 0) {
-    scale_add_kernel<<<blocks, threads, 0, stream>>>(
-        xc.data_ptr<float>(), y.data_ptr<float>(), (float)scale, n);
-  }
-  return y;
-}
-
-TORCH_LIBRARY_IMPL(ad_ext_test, CUDA, m) { m.impl("scale_add", &scale_add_cuda); }
-"""
+def shared_cache(factory: pytest.TempPathFactory) -> Path:
+    """XDG_CACHE_HOME for this test session: tests/test_examples.py runs the example with
+    it, so the operator is compiled once per session."""
+    return factory.getbasetemp() / "xdg-cache"
 
 
 @dataclass
@@ -86,38 +54,31 @@ class _Collect(logging.Handler):
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    """The operator, built once for the session into a fresh cache folder.
-
-    PATH lacks ninja during the build, as in a virtual environment used without activating
-    it: the ninja that pip installed beside this Python is the one used. (Every load of
-    this build uses that one ninja: ninja versions keep their logs in different formats,
-    and a build folder first built by one is rebuilt from scratch by another.)
-    """
-    bin_dir = _path_without_ninja(tmp_path_factory.mktemp("bin"))
-    src = tmp_path_factory.mktemp("ext-src")
-    cpp, cu = src / "scale_add.cpp", src / "scale_add_cuda.cu"
-    cpp.write_text(OP_CPP)
-    cu.write_text(OP_CU)
-    cache = tmp_path_factory.mktemp("ext-cache")
+    """The example's operator (fused bias + GELU), built once for the session, with the
+    example's flags, into the session's cache folder."""
+    cache = shared_cache(tmp_path_factory) / "anydevice" / "extensions"
     handler = _Collect()
     log = logging.getLogger("anydevice")
     log.addHandler(handler)
     try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("PATH", bin_dir)
-            assert find_ninja().detail == "not on PATH"
-            t0 = time.perf_counter()
-            result = ad.load_extension("ad_ext_test", [cpp, cu], build_dir=cache)
-            seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        result = ad.load_extension(
+            "ad_examples_bias_gelu",
+            SOURCES,
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            build_dir=cache,
+        )
+        seconds = time.perf_counter() - t0
     finally:
         log.removeHandler(handler)
-    return Built([cpp, cu], cache, result, seconds, handler.messages)
+    return Built(SOURCES, cache, result, seconds, handler.messages)
 
 
 def test_cpp_kernel_runs_as_a_torch_op(built: Built):
-    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    y = torch.ops.ad_ext_test.scale_add(x, 2.5)
-    torch.testing.assert_close(y, x * 2.5 + 1)
+    x, bias = torch.randn(33, 70), torch.randn(70)
+    y = torch.ops.ad_examples.bias_gelu(x, bias)
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x + bias))
     # No Python module in the sources: the library is loaded and its path returned.
     assert isinstance(built.result, str) and Path(built.result).is_file()
     assert Path(built.result).parent.parent == built.cache
@@ -127,7 +88,7 @@ def test_cpp_kernel_runs_as_a_torch_op(built: Built):
 def test_cu_source_is_left_out_on_a_cpu_torch_with_one_line_saying_why(built: Built):
     lines = [m for m in built.logged if "leaving out" in m]
     assert len(lines) == 1, built.logged
-    assert "scale_add_cuda.cu" in lines[0]
+    assert "bias_gelu_cuda.cu" in lines[0]
     assert f"torch {torch.__version__} is built without CUDA" in lines[0]
     # The CUDA kernel is not registered: no CUDA object was compiled.
     assert not list(Path(built.result).parent.glob("*.cuda.o"))
@@ -135,9 +96,9 @@ def test_cu_source_is_left_out_on_a_cpu_torch_with_one_line_saying_why(built: Bu
 
 @pytest.mark.cuda
 def test_cuda_kernel_is_built_for_the_gpu_here_and_runs(built: Built):
-    x = torch.randn(1000, device="cuda")
-    y = torch.ops.ad_ext_test.scale_add(x, 3.0)
-    torch.testing.assert_close(y, x * 3 + 1)
+    x, bias = torch.randn(1000, 333, device="cuda"), torch.randn(333, device="cuda")
+    y = torch.ops.ad_examples.bias_gelu(x, bias)
+    torch.testing.assert_close(y, torch.nn.functional.gelu(x + bias))
     assert list(Path(built.result).parent.glob("*.cuda.o"))
     major, minor = torch.cuda.get_device_capability(0)
     ninja_file = (Path(built.result).parent / "build.ninja").read_text()
@@ -169,11 +130,13 @@ import os, sys, torch, anydevice as ad
 
 def attempt(label):
     try:
-        path = ad.load_extension("ad_ext_test", SOURCES, build_dir=CACHE)
+        path = ad.load_extension("ad_examples_bias_gelu", SOURCES, build_dir=CACHE,
+                                 extra_cflags=["-O3"], extra_cuda_cflags=["-O3"])
     except ad.ExtensionError as e:
         print(label, "ExtensionError:", str(e).replace("\\n", " "))
         return
-    print(label, "result", torch.ops.ad_ext_test.scale_add(torch.ones(3), 2.0).tolist(), path)
+    y = torch.ops.ad_examples.bias_gelu(torch.zeros(1, 2), torch.tensor([0.0, 1.0]))
+    print(label, "result", [round(v, 4) for v in y.flatten().tolist()], path)
 
 os.environ["CXX"] = "/nonexistent/g++"
 attempt("no-compiler:")
@@ -209,20 +172,20 @@ def child(built: Built, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
 def test_second_process_reuses_the_build_and_finds_ninja_beside_python(
     built: Built, child: dict[str, str]
 ):
-    assert "result [3.0, 3.0, 3.0]" in child["reuse"], child
+    assert "result [0.0, 0.8413]" in child["reuse"], child
     assert str(built.result) in child["reuse"]  # the same build folder
     assert child["rebuilt"] == "False"  # nothing compiled or linked again
 
 
 def test_missing_ninja_names_the_fix(child: dict[str, str]):
     line = child["no-ninja"]
-    assert "ninja is needed to build extension 'ad_ext_test'" in line, child
+    assert "ninja is needed to build extension 'ad_examples_bias_gelu'" in line, child
     assert "pip install ninja" in line
 
 
 def test_missing_compiler_names_it_and_the_fix(child: dict[str, str]):
     line = child["no-compiler"]
-    assert "No C++ compiler to build extension 'ad_ext_test'" in line, child
+    assert "No C++ compiler to build extension 'ad_examples_bias_gelu'" in line, child
     assert "CXX='/nonexistent/g++' not found" in line
     assert "apt install g++" in line
 

@@ -133,18 +133,22 @@ def _ninja_from_pip() -> str | None:
 
 
 def find_ninja(environ: Mapping[str, str] | None = None) -> Tool:
-    """ninja, which torch's extension builder needs: on PATH, else where pip installed it.
+    """ninja, which torch's extension builder needs: the one ``pip install ninja`` put beside
+    this Python when there is one, else the one on PATH.
 
-    ``detail`` is ``"on PATH"`` or ``"not on PATH"``: in the second case
-    :func:`load_extension` adds its folder to PATH for the build.
+    The pip one comes first so that an environment builds with the same ninja whether it is
+    activated or not: ninja versions keep their logs in different formats, and a build folder
+    made by one is rebuilt from scratch by another. ``detail`` says which was found:
+    ``"ninja package"`` (:func:`load_extension` puts its folder on PATH for the build, which
+    torch's builder needs) or ``"on PATH"``.
     """
     env = os.environ if environ is None else environ
-    path = shutil.which("ninja", path=env.get("PATH", os.defpath))
-    detail = "on PATH"
-    folder = _ninja_from_pip() if path is None else None
-    if folder is not None:
-        path = shutil.which("ninja", path=folder)
-        detail = "not on PATH"
+    folder = _ninja_from_pip()
+    path = shutil.which("ninja", path=folder) if folder else None
+    detail = "ninja package"
+    if path is None:
+        path = shutil.which("ninja", path=env.get("PATH", os.defpath))
+        detail = "on PATH"
     if path is None:
         return Tool("ninja", None, None, "not on PATH, and the ninja package is not installed")
     version = _run([path, "--version"], env)
@@ -383,8 +387,9 @@ def load_extension(
     ``extra_cuda_cflags`` overrides that. The build folder is named by a hash of the
     sources, flags, Python, torch, compiler and nvcc versions, under ``build_dir`` (default:
     :func:`cache_root`): loading unchanged sources again, in any process, compiles nothing.
-    When ninja is installed beside this Python but not on PATH (a virtual environment
-    that is not activated), its folder is put on PATH for the build.
+    ninja is the one pip installed beside this Python when there is one (put on PATH for
+    the build, so a virtual environment works without being activated), else the one on
+    PATH.
 
     Args:
         name: the extension's name (a Python identifier); the sources see it as

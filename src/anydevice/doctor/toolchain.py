@@ -45,7 +45,7 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
         fixes.append(_COMPILER_FIX)
 
     if ninja.found:
-        where = "" if ninja.detail == "on PATH" else f" ({ninja.path}; not on PATH)"
+        where = "" if ninja.detail == "on PATH" else f" ({ninja.path}, the pip package)"
         found.append(f"ninja {ninja.version or '?'}{where}")
     else:
         status = "warn" if status == "warn" else "info"
