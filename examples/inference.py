@@ -20,6 +20,7 @@ one ``.cpu()`` at the end. ``ad.find_syncs`` counts the syncs of both loops on a
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ def train(model: nn.Module, dev: torch.device) -> None:
             optimizer.step()
 
 
-def predict_per_item(model: nn.Module, loader: ad.DeviceLoader) -> list[int]:
+def predict_per_item(model: nn.Module, loader: ad.DeviceLoader[Any]) -> list[int]:
     """The tutorial's way: autograd on, model left in training mode, .item() per item."""
     out = []
     for x, _ in loader:
@@ -60,7 +61,7 @@ def predict_per_item(model: nn.Module, loader: ad.DeviceLoader) -> list[int]:
     return out
 
 
-def predict(model: nn.Module, loader: ad.DeviceLoader) -> torch.Tensor:
+def predict(model: nn.Module, loader: ad.DeviceLoader[Any]) -> torch.Tensor:
     """eval + inference_mode, predictions kept on the device, one copy to the host."""
     model.eval()
     with torch.inference_mode():

@@ -71,15 +71,19 @@ def train_batch(
         loss.backward()
     with torch.no_grad():
         for i in range(len(replicas[0])):
-            allreduce([params[i].grad for params in replicas])  # type: ignore[misc]
+            grads = [params[i].grad for params in replicas]
+            allreduce([g for g in grads if g is not None])
         for params in replicas:  # d2l's sgd: the same update on every device
             for p in params:
-                p -= lr * p.grad / len(x)  # type: ignore[operator]
-                p.grad = None
-    return sum(loss.item() for loss in losses) / len(x)
+                if p.grad is not None:
+                    p -= lr * p.grad / len(x)
+                    p.grad = None
+    return sum(float(loss.item()) for loss in losses) / len(x)
 
 
-def train(devices: list[torch.device], epochs: int, batch_size: int, lr: float):  # type: ignore[no-untyped-def]
+def train(
+    devices: list[torch.device], epochs: int, batch_size: int, lr: float
+) -> list[list[torch.Tensor]]:
     replicas = [[ad.to(p, d).requires_grad_() for p in init_params()] for d in devices]
     x, y = data(2048, seed=1)
     for epoch in range(epochs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,8 +55,12 @@ def test_nvcc_of_another_cuda_major_than_torch_warns():
     assert c.status == "warn"
     assert f"nvcc is CUDA {nvcc.version} but torch uses CUDA {other}" in c.summary
     assert c.fix is not None and f"Install the CUDA {other.split('.')[0]}.x toolkit" in c.fix
-    same = check_toolchain(machine(gpu(0), cuda_runtime=nvcc.version), os.environ)
-    assert same.status == "ok", same
+    env = dict(os.environ)
+    if Path("/usr/local/cuda/include/cuda_runtime.h").exists():
+        env["CUDA_HOME"] = "/usr/local/cuda"  # nvcc on PATH may be a wrapper outside it
+    if not find_nvcc(env).problem:
+        same = check_toolchain(machine(gpu(0), cuda_runtime=nvcc.version), env)
+        assert same.status == "ok", same
 
 
 def test_no_nvcc_with_a_cuda_torch_and_a_gpu_says_cu_sources_are_left_out():
@@ -66,3 +71,24 @@ def test_no_nvcc_with_a_cuda_torch_and_a_gpu_says_cu_sources_are_left_out():
     assert c.fix is not None and "CUDA toolkit 13.0" in c.fix
     # Without a GPU, nvcc is not needed.
     assert "not needed" in check_toolchain(machine(), env).summary
+
+
+@needs_nvcc
+def test_a_cuda_home_without_headers_is_named_with_the_fix(tmp_path):
+    # A toolkit folder whose bin/nvcc works but which has no include/ (like /usr/local when
+    # nvcc on PATH is /usr/local/bin/nvcc): torch's builder would fail on cuda_runtime.h.
+    nvcc = find_nvcc()
+    assert nvcc.path is not None
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").symlink_to(nvcc.path)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    broken = find_nvcc(env)
+    assert broken.found and broken.version == nvcc.version
+    assert f"{tmp_path}/include has no cuda_runtime.h" in broken.problem
+    assert "set CUDA_HOME to the CUDA toolkit's folder" in broken.problem
+    c = check_toolchain(machine(gpu(0), cuda_runtime=nvcc.version), env)
+    assert c.status == "warn" and "nvcc cannot build torch extensions" in c.summary
+    assert c.fix is not None and "export CUDA_HOME=" in c.fix
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime.h").write_text("")
+    assert find_nvcc(env).problem == ""

@@ -24,6 +24,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +50,16 @@ def register_python_parts() -> None:
     """The fake implementation (shapes only, for torch.compile and meta tensors) and the
     backward formula."""
 
-    @torch.library.register_fake("ad_examples::bias_gelu")
-    def _(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def fake(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         torch._check(x.shape[-1] == bias.shape[0], lambda: "x and bias do not match")
         return torch.empty_like(x)
 
-    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+    torch.library.register_fake("ad_examples::bias_gelu", fake)
+
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         ctx.save_for_backward(*inputs)
 
-    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, bias = ctx.saved_tensors
         v = x + bias
         cdf = 0.5 * (1.0 + torch.erf(v * (1.0 / math.sqrt(2.0))))

@@ -72,13 +72,15 @@ class Tool:
     """A build tool as found on this machine: where it is and which version it is.
 
     ``path`` is None when it was not found; ``version`` is None when it did not say.
-    ``detail`` tells where it was looked for or what it reported.
+    ``detail`` tells where it was looked for or what it reported; ``problem`` what keeps a
+    found tool from working, with the fix ("" when nothing does).
     """
 
     name: str
     path: str | None
     version: str | None = None
     detail: str = ""
+    problem: str = ""
 
     @property
     def found(self) -> bool:
@@ -179,7 +181,16 @@ def find_nvcc(environ: Mapping[str, str] | None = None) -> Tool:
         return Tool("nvcc", None, None, f"no nvcc in {home}/bin (CUDA_HOME={home})")
     out = _run([str(path), "--version"], env) or ""
     m = re.search(r"release (\d+\.\d+)", out)
-    return Tool("nvcc", str(path), m.group(1) if m else None, f"CUDA_HOME={home}")
+    problem = ""
+    if not Path(home, "include", "cuda_runtime.h").exists():
+        # e.g. /usr/local/bin/nvcc, a wrapper script: torch then takes /usr/local for CUDA_HOME.
+        where = "CUDA_HOME" if env.get("CUDA_HOME") or env.get("CUDA_PATH") else "nvcc's folder"
+        example = ", e.g. /usr/local/cuda" if Path("/usr/local/cuda/include").is_dir() else ""
+        problem = (
+            f"{home}/include has no cuda_runtime.h (torch's builder takes the toolkit folder "
+            f"from {where}); set CUDA_HOME to the CUDA toolkit's folder{example}"
+        )
+    return Tool("nvcc", str(path), m.group(1) if m else None, f"CUDA_HOME={home}", problem)
 
 
 def _nvcc_archs(nvcc: str) -> list[int]:
@@ -305,6 +316,8 @@ def _cuda_plan(extra_cuda_cflags: Sequence[str]) -> tuple[list[str] | None, str]
             f"same major version. Install the CUDA {torch_major}.x toolkit and set CUDA_HOME "
             f"to it, or install a torch built for CUDA {nvcc.version.split('.')[0]}.x."
         )
+    if nvcc.problem:
+        return None, nvcc.problem
     user_arch = os.environ.get("TORCH_CUDA_ARCH_LIST") or any(
         "arch" in f for f in extra_cuda_cflags
     )

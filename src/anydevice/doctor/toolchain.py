@@ -54,6 +54,12 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
 
     if nvcc.found:
         found.append(f"nvcc {nvcc.version or '?'} ({nvcc.path})")
+        if nvcc.problem and torch_cuda is not None and gpus:
+            status = "warn"
+            problems.append(f"nvcc cannot build torch extensions: {nvcc.problem}")
+            fixes.append(f"export CUDA_HOME=<the CUDA {torch_cuda} toolkit folder>.")
+        elif nvcc.problem:
+            found.append(f"but {nvcc.problem}")
         if torch_cuda is None:
             found.append("torch is CPU-only, so .cu sources are left out")
         elif nvcc.version and nvcc.version.split(".")[0] != torch_cuda.split(".")[0]:
