@@ -100,10 +100,11 @@ def test_cuda_kernel_is_built_for_the_gpu_here_and_runs(built: Built):
     y = torch.ops.ad_examples.bias_gelu(x, bias)
     torch.testing.assert_close(y, torch.nn.functional.gelu(x + bias))
     assert list(Path(built.result).parent.glob("*.cuda.o"))
-    major, minor = torch.cuda.get_device_capability(0)
+    here = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     ninja_file = (Path(built.result).parent / "build.ninja").read_text()
-    assert f"code=sm_{major}{minor}" in ninja_file
-    assert ninja_file.count("code=sm_") == 1  # only the GPU that is here
+    for major, minor in here:
+        assert f"code=sm_{major}{minor}" in ninja_file
+    assert ninja_file.count("code=sm_") == len(here)  # only the GPUs that are here
 
 
 def _path_without_ninja(tmp_path: Path) -> str:

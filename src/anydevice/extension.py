@@ -478,6 +478,13 @@ def load_extension(
     folder.mkdir(parents=True, exist_ok=True)
     if verbose:
         logger.warning("load_extension(%r): building in %s", name, folder)
+    if (folder / "lock").exists():  # torch waits for it to go away, silently and forever
+        logger.warning(
+            "load_extension(%r): waiting for %s: another process is building this extension. "
+            "If none is (a build was killed), delete that file.",
+            name,
+            folder / "lock",
+        )
 
     from torch.utils import cpp_extension
 
