@@ -43,7 +43,8 @@ lint: $(STAMP)-test
 bench: $(STAMP)-bench
 	$(PY) benchmarks/run.py
 
-## make gpu-check: cuda-marked tests and GPU benchmarks, report under benchmarks/results/.
+## make gpu-check: cuda-marked tests and GPU benchmarks (no install: PYTHONPATH=src), the
+## whole report under benchmarks/results/gpu-check/<gpu-model>-x<count>/.
 gpu-check:
 	bash scripts/gpu-check.sh
 

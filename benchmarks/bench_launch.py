@@ -113,15 +113,21 @@ def overhead(rounds: int) -> Result:
     return res
 
 
-def scaling(steps: int, kind: str = "cpu", counts: tuple[int, ...] = (1, 2)) -> Result:
+def scaling(
+    steps: int,
+    kind: str = "cpu",
+    counts: tuple[int, ...] = (1, 2),
+    repeats: int = 3,
+    shape: tuple[int, int, int] | None = None,
+) -> Result:
     import anydevice as ad
     import launch_job
 
-    width, depth, batch = (512, 3, 64) if kind == "cpu" else (4096, 4, 512)
+    width, depth, batch = shape or ((512, 3, 64) if kind == "cpu" else (4096, 4, 512))
     res = Result(f"launch-scaling-{kind}", "samples/s", baseline=f"1 {kind} process")
     for n in counts:
         rates = []
-        for _ in range(3):
+        for _ in range(repeats):
             out = ad.launch(launch_job.scaling_worker, steps, batch, width, depth, kind, nprocs=n)
             rates.append(out[0])
         res.add(f"{n} {kind} process{'es' if n > 1 else ''}", rates)
@@ -136,16 +142,24 @@ def scaling(steps: int, kind: str = "cpu", counts: tuple[int, ...] = (1, 2)) -> 
     return res
 
 
-def gpu_launch_scaling() -> None:
-    """1 GPU against every GPU of this machine (``make gpu-check``)."""
+def gpu_launch_scaling(device: str = "cuda", quick: bool = False) -> Result:
+    """1 GPU against every GPU of this machine (``make gpu-check``).
+
+    ``quick``: one process, one launch, a tiny model: a smoke run of every line.
+    """
     import torch
 
-    count = torch.cuda.device_count()
-    counts = (1, count) if count > 1 else (1,)
-    res = scaling(steps=200, kind="cuda", counts=counts)
+    kind = torch.device(device).type
+    count = torch.cuda.device_count() if kind == "cuda" else 1
+    counts = (1, count) if count > 1 and not quick else (1,)
+    if quick:
+        res = scaling(steps=2, kind=kind, counts=counts, repeats=1, shape=(16, 1, 4))
+    else:
+        res = scaling(steps=200, kind=kind, counts=counts)
     if count == 1:
-        res.notes.append("one GPU here: the multi-GPU row needs a machine with several")
+        res.notes.append(f"one {kind} process here: the multi-GPU row needs several GPUs")
     save(res)
+    return res
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anydevice as ad
-from report import Result, run_interleaved, save
+from report import Result, run_interleaved, save, sync
 
 
 def cpu_epoch(make: Callable[[], Iterable], step: Callable[..., None]) -> float:
@@ -91,14 +91,18 @@ def cpu(rounds: int) -> None:
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_loader(rounds: int = 5) -> None:
-    """Copy/compute overlap on CUDA, against the peers (needs accelerate and lightning)."""
-    dev = torch.device("cuda", 0)
-    batch_mb, batches = 64, 24
+def gpu_loader(device: str = "cuda", quick: bool = False) -> Result:
+    """Copy/compute overlap on CUDA, against the peers (needs accelerate and lightning).
+
+    ``quick``: tiny batches and matrices, one round, no workers: a smoke run of every line.
+    """
+    dev = ad.device(device)
+    rounds, batch_mb, batches, width, workers = (1, 1, 3, 32, 0) if quick else (5, 64, 24, 4096, 2)
     n = batch_mb << 20 >> 2
     host = torch.randn(batches, n)  # pageable source data
     ds = TensorDataset(host)
-    w = torch.randn(4096, 4096, device=dev)
+    w = torch.randn(width, width, device=dev)
+    can_pin = dev.type == "cuda"
 
     def compute_once(x: torch.Tensor, reps: int) -> torch.Tensor:
         y = w
@@ -107,47 +111,46 @@ def gpu_loader(rounds: int = 5) -> None:
         return x.sum() + y.sum()
 
     # Calibrate: copy time of one pinned batch, and matmuls to make compute about as long.
-    pinned = host[0].clone().pin_memory()
+    pinned = host[0].clone().pin_memory() if can_pin else host[0].clone()
     copy = ad.timeit(lambda: pinned.to(dev, non_blocking=True), device=dev).median
     one = ad.timeit(lambda: w @ w, device=dev).median
     reps = max(1, round(copy / one))
-    compute = ad.timeit(lambda: compute_once(pinned.to(dev), reps), device=dev).median - copy
+    compute = max(
+        ad.timeit(lambda: compute_once(pinned.to(dev), reps), device=dev).median - copy, 0
+    )
 
     def timed(batches_iter: Callable[[], Iterable]) -> float:
-        torch.cuda.synchronize()
+        sync(dev)
         t = time.perf_counter()
         count = 0
         for b in batches_iter():
             x = b[0] if isinstance(b, (list, tuple)) else b
             compute_once(x.to(dev, non_blocking=True), reps)
             count += 1
-        torch.cuda.synchronize()
+        sync(dev)
         return (time.perf_counter() - t) / count
+
+    def source(pin: bool = False) -> DataLoader:
+        return DataLoader(ds, batch_size=1, pin_memory=pin and can_pin, num_workers=workers)
 
     runs: dict[str, Callable[[], float]] = {
         "naive (pageable .to)": lambda: timed(lambda: DataLoader(ds, batch_size=1)),
-        "pin_memory + non_blocking": lambda: timed(
-            lambda: DataLoader(ds, batch_size=1, pin_memory=True, num_workers=2)
-        ),
-        "DeviceLoader": lambda: timed(
-            lambda: ad.DeviceLoader(DataLoader(ds, batch_size=1, num_workers=2), dev)
-        ),
+        "pin_memory + non_blocking": lambda: timed(lambda: source(pin=True)),
+        "DeviceLoader": lambda: timed(lambda: ad.DeviceLoader(source(), dev)),
     }
     try:
         from accelerate import Accelerator
 
-        acc = Accelerator()
-        acc_dl = acc.prepare(DataLoader(ds, batch_size=1, pin_memory=True, num_workers=2))
+        acc = Accelerator(cpu=dev.type == "cpu")
+        acc_dl = acc.prepare(source(pin=True))
         runs["accelerate prepare"] = lambda: timed(lambda: acc_dl)
     except ImportError:
         pass
     try:
         from lightning.fabric import Fabric
 
-        fabric = Fabric(accelerator="cuda", devices=1)
-        fab_dl = fabric.setup_dataloaders(
-            DataLoader(ds, batch_size=1, pin_memory=True, num_workers=2)
-        )
+        fabric = Fabric(accelerator=dev.type, devices=1)
+        fab_dl = fabric.setup_dataloaders(source(pin=True))
         runs["Fabric setup_dataloaders"] = lambda: timed(lambda: fab_dl)
     except ImportError:
         pass
@@ -159,23 +162,26 @@ def gpu_loader(rounds: int = 5) -> None:
     floor = 1e3 * max(copy, compute)
     res.extra.update(copy_ms=1e3 * copy, compute_ms=1e3 * compute, floor_ms=floor)
     peers = [v for k, v in res.rows.items() if k != "DeviceLoader"]
+    to_floor = res.rows["DeviceLoader"] / floor if floor > 0 else float("nan")
     res.notes.append(
         f"copy {1e3 * copy:.2f} ms, compute {1e3 * compute:.2f} ms per {batch_mb} MiB batch; "
-        f"DeviceLoader / max(copy, compute) = {res.rows['DeviceLoader'] / floor:.2f} "
+        f"DeviceLoader / max(copy, compute) = {to_floor:.2f} "
         f"(target <= 1.1); best other / DeviceLoader = "
         f"{min(peers) / res.rows['DeviceLoader']:.2f} (target >= 1.3)"
     )
-    loader = ad.DeviceLoader(DataLoader(ds, batch_size=1, num_workers=2), dev)
+    loader = ad.DeviceLoader(source(), dev)
     for _ in loader:
         pass
-    raw_bw = (n * 4) / copy
+    raw_bw = (n * 4) / copy if copy > 0 else 0.0
     bw = loader.stats.bandwidth or 0.0
     res.extra.update(loader_bandwidth=bw, raw_pinned_bandwidth=raw_bw)
+    share = f"{bw / raw_bw:.0%}" if raw_bw else "n/a"
     res.notes.append(
         f"DeviceLoader copies at {bw / 1e9:.1f} GB/s, raw pinned copy {raw_bw / 1e9:.1f} GB/s "
-        f"({bw / raw_bw:.0%}; target >= 90%)"
+        f"({share}; target >= 90%)"
     )
     save(res)
+    return res
 
 
 def main() -> None:

@@ -74,14 +74,14 @@ def overhead_of_sampling(result: Result, device: str, pairs: int = 15) -> dict[s
     return slowdown
 
 
-def call_costs(device: str) -> Result:
+def call_costs(device: str, min_time: float = 0.5) -> Result:
     costs = Result(f"memory-calls-{device}", "us")
     for name, fn in {
         "ad.memory()": lambda: ad.memory(device),
         "empty track_memory block": tracked(lambda: None, device),
         "ad.free_memory()": lambda: ad.free_memory(device),
     }.items():
-        m = ad.timeit(fn, device=device, min_time=0.5, warmup=2)
+        m = ad.timeit(fn, device=device, min_time=min_time, warmup=2)
         costs.add(name, [t * 1e6 for t in m.times])
     return costs
 
@@ -95,9 +95,11 @@ def main() -> None:
     save(call_costs("cpu"))
 
 
-def gpu_memory() -> None:
+def gpu_memory(device: str = "cuda", quick: bool = False) -> Result:
     """On an NVIDIA GPU: what the calls cost when they read the allocator's counters."""
-    save(call_costs("cuda"))
+    result = call_costs(device, min_time=0.01 if quick else 0.5)
+    save(result)
+    return result
 
 
 if __name__ == "__main__":

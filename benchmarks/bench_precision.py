@@ -55,6 +55,8 @@ class Config:
 
 CPU = Config(batch=8, seq=128, width=256, heads=4, steps=4, rounds=15, warmup=2)
 GPU = Config(batch=16, seq=1024, width=1024, heads=16, steps=20, rounds=5, warmup=10)
+TINY = Config(batch=2, seq=8, width=16, heads=2, steps=1, rounds=1, warmup=1)  #: smoke runs
+MATMUL = Config(0, 0, 0, 0, steps=10, rounds=5, warmup=3)  #: fast-matmul's timing plan
 
 
 def transformer_block(cfg: Config, device: torch.device) -> nn.Module:
@@ -198,7 +200,8 @@ def compare(
                 samples[label].append(1000 * seconds_per_step(step, cfg.steps, device))
     for label, (ctx, step) in table.items():
         with ctx():
-            last[label] = float(step().item())
+            # A loss, or a whole matrix (fast-matmul): its sum is a number either way.
+            last[label] = float(step().detach().float().sum())
     return samples, last
 
 
@@ -268,20 +271,25 @@ def layouts(device: torch.device, batch: int, size: int, rounds: int, steps: int
     return result
 
 
-def gpu_precision_training_step() -> None:
-    training_step(GPU, torch.device("cuda"), "precision-training-step")
+def gpu_precision_training_step(device: str = "cuda", quick: bool = False) -> Result:
+    """The transformer block's training step on a GPU (``quick``: tiny, for a smoke run)."""
+    return training_step(TINY if quick else GPU, torch.device(device), "precision-training-step")
 
 
-def gpu_channels_last() -> None:
-    layouts(torch.device("cuda"), batch=64, size=112, rounds=5, steps=10)
+def gpu_channels_last(device: str = "cuda", quick: bool = False) -> Result:
+    """NCHW against channels_last on a GPU (``quick``: tiny, for a smoke run)."""
+    if quick:
+        return layouts(torch.device(device), batch=2, size=8, rounds=1, steps=1)
+    return layouts(torch.device(device), batch=64, size=112, rounds=5, steps=10)
 
 
-def gpu_fast_matmul() -> None:
+def gpu_fast_matmul(device: str = "cuda", quick: bool = False) -> Result:
     """An fp32 matmul with and without TF32, with the error of each against fp64."""
-    device = torch.device("cuda")
-    n = 8192
-    a, b = (torch.randn(n, n, device=device) for _ in range(2))
-    small_a, small_b = a[:2048, :2048], b[:2048, :2048]
+    dev = torch.device(device)
+    n = 64 if quick else 8192
+    checked = min(n, 2048)
+    a, b = (torch.randn(n, n, device=dev) for _ in range(2))
+    small_a, small_b = a[:checked, :checked], b[:checked, :checked]
     exact = (small_a.double() @ small_b.double()).float()
 
     def matmul() -> torch.Tensor:
@@ -291,7 +299,8 @@ def gpu_fast_matmul() -> None:
         "fp32 (IEEE, torch default)": (contextlib.nullcontext, matmul),
         "ad.fast_matmul() (TF32)": (ad.fast_matmul, matmul),
     }
-    samples, _ = compare(table, Config(0, 0, 0, 0, steps=10, rounds=5, warmup=3), device)
+    plan = Config(0, 0, 0, 0, steps=1, rounds=1, warmup=1) if quick else MATMUL
+    samples, _ = compare(table, plan, dev)
     result = Result("fast-matmul", "ms", baseline="fp32 (IEEE, torch default)")
     errors = {}
     for label, s in samples.items():
@@ -304,6 +313,7 @@ def gpu_fast_matmul() -> None:
         result.notes.append(f"{label}: {tflops:.1f} TFLOP/s, max relative error {error:.1e}")
     result.extra = {"n": n, "max_relative_error": errors}
     save(result)
+    return result
 
 
 def main() -> None:

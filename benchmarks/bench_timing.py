@@ -32,9 +32,13 @@ from report import Result, save
 AGREE = 0.05  # medians within 5%
 
 
-def kernels(device: torch.device) -> dict[str, Callable[[], object]]:
+def kernels(device: torch.device, quick: bool = False) -> dict[str, Callable[[], object]]:
     """A compute-bound, a memory-bound and a launch-bound op, plus a no-op."""
-    if device.type == "cuda":
+    if quick:
+        a = torch.randn(16, 16, device=device)
+        big = torch.randn(2**18, device=device)  # 1 MiB
+        size = "16 fp32"
+    elif device.type == "cuda":
         a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
         big = torch.randn(2**26, device=device)  # 256 MiB
         size = "4096 bf16"
@@ -131,13 +135,20 @@ def main() -> None:
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_timing(min_time: float = 0.5, rounds: int = 5) -> None:
-    """On an NVIDIA GPU: agreement with torch.utils.benchmark and triton's do_bench."""
-    dev = torch.device("cuda", torch.cuda.current_device())
+def gpu_timing(device: str = "cuda", quick: bool = False) -> Result:
+    """On an NVIDIA GPU: agreement with torch.utils.benchmark and triton's do_bench.
+
+    ``quick`` (a smoke run: tiny kernels, a few ms each) records the verdicts but does not
+    fail on them: timings that short say nothing about agreement.
+    """
+    dev = ad.device(device)
+    min_time, rounds = (0.005, 1) if quick else (0.5, 5)
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
+    if dev.type != "cuda":
+        do_bench = None  # triton times CUDA kernels only
     result = Result("timeit-agreement-gpu", "us")
     result.notes.append(
         f"median per call over {rounds} interleaved rounds; min_time {min_time} s; "
@@ -148,7 +159,7 @@ def gpu_timing(min_time: float = 0.5, rounds: int = 5) -> None:
     ratios: dict[str, dict[str, float]] = {}
     floors: dict[str, dict[str, float]] = {}
     plans: dict[str, dict[str, dict[str, float]]] = {}
-    for name, fn in kernels(dev).items():
+    for name, fn in kernels(dev, quick).items():
         timers: dict[str, Callable[[], float]] = {
             "warm ad.timeit": lambda fn=fn: ad.timeit(fn, device=dev, min_time=min_time).median,
             "warm torch.utils.benchmark": lambda fn=fn: torch_benchmark(fn, min_time),
@@ -192,8 +203,9 @@ def gpu_timing(min_time: float = 0.5, rounds: int = 5) -> None:
     result.extra.update(ratios=ratios, floors=floors, ad_timeit_plans=plans, verdicts=verdicts)
     save(result)
     failed = [v for v in verdicts if v.startswith("FAIL")]
-    if failed:
+    if failed and not quick:
         raise AssertionError("timing targets missed:\n" + "\n".join(failed))
+    return result
 
 
 if __name__ == "__main__":

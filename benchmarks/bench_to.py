@@ -12,7 +12,7 @@
    without CRC verification against ``torch.load``.
 
 Each row is the median of many interleaved samples (each sample times a block of calls).
-On a GPU machine, ``gpu_to_pinned_batch`` moves the batch from pinned memory to cuda:0.
+On a GPU machine, ``gpu_to_pinned_batch`` moves the batch from pinned memory to the GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anydevice as ad
-from report import Result, run_interleaved, save
+from report import Result, run_interleaved, save, sync
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -227,32 +227,44 @@ def _seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def gpu_to_pinned_batch() -> None:
-    """The nested batch from pinned memory to cuda:0: ad.to against accelerate and the rest."""
-    dev = torch.device("cuda", 0)
-    calls, rounds = 200, 30
-    for size, pin in ((4, True), (4096, True), (4096, False)):
-        batch = make_batch(size, pin=pin)
+def gpu_to_pinned_batch(device: str = "cuda", quick: bool = False) -> list[Result]:
+    """The nested batch from pinned memory to the GPU: ad.to against accelerate and the rest.
+
+    ``ad.to`` with ``non_blocking="auto"`` copies from the host blocking (the caller owns
+    the buffer); its ``non_blocking=True`` row is the like-for-like comparison with the
+    asynchronous hand-written loop.
+    """
+    dev = ad.device(device)
+    calls, rounds = (5, 2) if quick else (200, 30)
+    sizes = ((4, False),) if quick else ((4, True), (4096, True), (4096, False))
+    results = []
+    for size, pin in sizes:
+        batch = make_batch(size, pin=pin and dev.type == "cuda")  # pinning needs a GPU
         movers = peers()
         commands: dict[str, Callable[[], float]] = {
             "hand-written, non_blocking=True": _gpu_per_call(
-                lambda b=batch: hand_written(b, dev, nb=True), calls
+                lambda b=batch: hand_written(b, dev, nb=True), calls, dev
             ),
-            "hand-written, blocking": _gpu_per_call(lambda b=batch: hand_written(b, dev), calls),
-            "ad.to(batch, dev)": _gpu_per_call(lambda b=batch: ad.to(b, dev), calls),
+            "hand-written, blocking": _gpu_per_call(
+                lambda b=batch: hand_written(b, dev), calls, dev
+            ),
+            "ad.to(batch, dev)": _gpu_per_call(lambda b=batch: ad.to(b, dev), calls, dev),
+            "ad.to(batch, dev, non_blocking=True)": _gpu_per_call(
+                lambda b=batch: ad.to(b, dev, non_blocking=True), calls, dev
+            ),
         }
         if "accelerate send_to_device" in movers:
             send = movers["accelerate send_to_device"]
             commands["accelerate send_to_device(non_blocking=True)"] = _gpu_per_call(
-                lambda b=batch, f=send: f(b, dev, non_blocking=True), calls
+                lambda b=batch, f=send: f(b, dev, non_blocking=True), calls, dev
             )
         if "lightning move_data_to_device" in movers:
             move = movers["lightning move_data_to_device"]
             commands["lightning move_data_to_device"] = _gpu_per_call(
-                lambda b=batch, f=move: f(b, dev), calls
+                lambda b=batch, f=move: f(b, dev), calls, dev
             )
         out = ad.to(batch, dev)
-        torch.cuda.synchronize()
+        sync(dev)
         assert torch.equal(out["sample"].y.cpu(), batch["sample"].y)
         name = f"to-gpu-batch-{'pinned' if pin else 'pageable'}-{size}"
         result = Result(name, "us", baseline="hand-written, non_blocking=True")
@@ -260,18 +272,20 @@ def gpu_to_pinned_batch() -> None:
             result.add(label, samples)
         result.notes.append(
             f"the nested batch ({size} float32 per tensor, {'pinned' if pin else 'pageable'}) "
-            "to cuda:0, one torch.cuda.synchronize() per block of calls"
+            f"to {dev}, one synchronize per block of calls"
         )
         save(result)
+        results.append(result)
+    return results
 
 
-def _gpu_per_call(fn: Callable[[], object], calls: int) -> Callable[[], float]:
+def _gpu_per_call(fn: Callable[[], object], calls: int, dev: torch.device) -> Callable[[], float]:
     def sample() -> float:
-        torch.cuda.synchronize()
+        sync(dev)
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync(dev)
         return (time.perf_counter() - t) / calls * 1e6
 
     for _ in range(3):  # warm up: CUDA context, allocator, pinned pools

@@ -2,11 +2,14 @@
 
 Each benchmark builds a :class:`Result` and calls :func:`save`, which prints a table and
 writes ``results/<name>-<machine>.json`` (machine = GPU model or CPU model, slugged).
+``ANYDEVICE_BENCH_RESULTS=<folder>`` writes them there instead (``scripts/gpu-check.sh``
+and the smoke tests use it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 import statistics
@@ -19,6 +22,20 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_folder() -> Path:
+    """Where :func:`save` writes: ``ANYDEVICE_BENCH_RESULTS`` if set, else ``results/``."""
+    override = os.environ.get("ANYDEVICE_BENCH_RESULTS", "").strip()
+    return Path(override) if override else RESULTS
+
+
+def sync(device: Any) -> None:
+    """Wait for the device's queued work (a CUDA device; nothing to wait for on the CPU)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def machine() -> dict[str, Any]:
@@ -89,10 +106,11 @@ def save(result: Result) -> Path:
         print(f"  {label:<{width}}  {value:12.4g} {result.unit}{ratio}{spread}")
     for note in result.notes:
         print(f"  note: {note}")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{result.name}-{machine_slug(m)}.json"
+    folder = results_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{result.name}-{machine_slug(m)}.json"
     path.write_text(json.dumps({"machine": m, **asdict(result)}, indent=2) + "\n")
-    print(f"  -> {path.relative_to(RESULTS.parent.parent)}")
+    print(f"  -> {path}")
     return path
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import anydevice
 
@@ -26,7 +29,7 @@ DOCUMENTED = {
     # many devices, many machines
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
-    "prepare", "share", "unwrap",
+    "load_state", "prepare", "save_state", "share", "unwrap",
     # kernels
     "ExtensionError", "load_extension",
 }  # fmt: skip
@@ -47,10 +50,65 @@ def test_every_public_name_is_in_the_api_reference():
     assert DOCUMENTED - {"__version__"} <= documented
 
 
-def test_import_adds_only_anydevice_modules_to_torch():
+#: Touch every public name, so the lazy package loads all of it.
+LOAD_ALL = "import anydevice; [getattr(anydevice, n) for n in anydevice.__all__]; "
+INIT = Path(anydevice.__file__)
+
+
+def test_lazy_sources_and_type_checking_imports_name_exactly_all():
+    # A public name must be in three places: __all__, _SOURCES and the TYPE_CHECKING imports.
+    tree = ast.parse(INIT.read_text())
+    (guard,) = [n for n in tree.body if isinstance(n, ast.If)]
+    typed = {
+        alias.name: node.module
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    public = set(anydevice.__all__) - {"__version__"}
+    assert set(anydevice._SOURCES) == public, set(anydevice._SOURCES) ^ public
+    assert typed == anydevice._SOURCES
+
+
+def test_import_alone_imports_neither_torch_nor_our_modules():
     code = (
-        "import sys, json, torch; before = set(sys.modules); import anydevice; "
-        "print(json.dumps(sorted(set(sys.modules) - before)))"
+        "import sys, json; import anydevice; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'anydevice'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == ["anydevice", "anydevice._version"]
+
+
+def test_public_names_are_never_hidden_by_modules_of_the_same_name():
+    # A launched worker imports anydevice.distributed.* before the user's ``ad.distributed()``.
+    code = (
+        "import anydevice.inventory, anydevice.memory, anydevice.precision\n"
+        "from anydevice.distributed.elastic import plan\n"
+        "import anydevice as ad, types\n"
+        "names = ('inventory', 'memory', 'precision', 'distributed')\n"
+        "print(all(callable(getattr(ad, n)) and not isinstance(getattr(ad, n), "
+        "types.ModuleType) for n in names))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "True"
+
+
+def test_unknown_name_is_an_attribute_error_and_dir_lists_the_api():
+    with pytest.raises(AttributeError, match="no attribute 'devcie'"):
+        anydevice.devcie  # noqa: B018
+    assert set(anydevice.__all__) <= set(dir(anydevice))
+
+
+def test_loading_the_api_adds_only_anydevice_modules_to_torch():
+    code = (
+        "import sys, json, torch; before = set(sys.modules); "
+        + LOAD_ALL
+        + "print(json.dumps(sorted(set(sys.modules) - before)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
@@ -60,10 +118,11 @@ def test_import_adds_only_anydevice_modules_to_torch():
     assert all(m == "anydevice" or m.startswith("anydevice.") for m in added), added
 
 
-def test_import_loads_no_rich_nvml_xla_or_backends():
+def test_loading_the_api_loads_no_rich_nvml_xla_or_backends():
     code = (
-        "import sys, json; import anydevice; "
-        "print(json.dumps([m for m in sys.modules if m.split('.')[0] in "
+        "import sys, json; "
+        + LOAD_ALL
+        + "print(json.dumps([m for m in sys.modules if m.split('.')[0] in "
         "('rich', 'torch_xla', 'psutil') or m.startswith('anydevice.backends') "
         "or m in ('anydevice.cli', 'anydevice.console', 'anydevice.doctor')]))"
     )
@@ -84,11 +143,12 @@ def test_pynvml_is_not_imported_by_anydevice_itself():
     assert out.stdout.strip() == "cpu"
 
 
-def test_import_loads_no_elastic_agent():
+def test_loading_the_api_loads_no_elastic_agent():
     # torch.distributed comes with torch; the elastic agent loads only when a launch starts.
     code = (
-        "import sys, json; import anydevice; "
-        "print(json.dumps([m for m in sys.modules if m.startswith('torch.distributed.elastic') "
+        "import sys, json; "
+        + LOAD_ALL
+        + "print(json.dumps([m for m in sys.modules if m.startswith('torch.distributed.elastic') "
         "or m.startswith('torch.distributed.launcher') or m == 'torch._dynamo']))"
     )
     out = subprocess.run(

@@ -259,3 +259,102 @@ def test_out_of_memory_errors_of_every_device(exc):
 )
 def test_other_errors_are_not_out_of_memory(exc):
     assert not is_out_of_memory(exc)
+
+
+# ----------------------------------------------------------------------------- wrapped errors
+
+
+def _real_cpu_oom() -> None:
+    torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the real CPU allocator refuses
+
+
+class BackendCompilerFailed(RuntimeError):
+    """Shaped like torch._dynamo's: it re-raises the backend's error as its cause."""
+
+
+def wrapped_by_cause(batch_size: int) -> None:
+    if batch_size > 12:
+        try:
+            _real_cpu_oom()
+        except RuntimeError as e:
+            raise BackendCompilerFailed("backend='inductor' raised an error") from e
+
+
+def wrapped_by_context(batch_size: int) -> None:
+    if batch_size > 9:
+        try:
+            _real_cpu_oom()
+        except RuntimeError:
+            raise KeyError("cleanup after the failed step")  # noqa: B904 (the point: implicit)
+
+
+def test_out_of_memory_wrapped_in_another_error_is_found_through_the_chain():
+    assert ad.fit_batch_size(wrapped_by_cause, start=4, device="cpu") == 12
+    assert ad.fit_batch_size(wrapped_by_context, start=4, device="cpu") == 9
+
+
+def test_a_chain_cut_with_from_none_is_not_out_of_memory():
+    def step(batch_size: int) -> None:
+        try:
+            _real_cpu_oom()
+        except RuntimeError:
+            raise ValueError("the step's own error") from None
+
+    with pytest.raises(ValueError, match="own error"):
+        ad.fit_batch_size(step, start=4, device="cpu")
+
+
+def test_a_cyclic_chain_ends():
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a
+    assert not is_out_of_memory(a)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+        "Unable to find a valid cuDNN algorithm to run convolution",
+        "cuFFT error: CUFFT_ALLOC_FAILED",
+    ],
+)
+def test_cuda_library_allocation_failures_raised_by_a_step_are_out_of_memory(text):
+    def step(batch_size: int) -> None:
+        if batch_size > 5:
+            raise RuntimeError(text)
+
+    assert ad.fit_batch_size(step, start=2, device="cpu") == 5
+
+
+# ----------------------------------------------------------------------------- bounds, margin
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"start": 2.5}, r"start is a batch size, a whole number, not float \(2.5\).*start=2"),
+        ({"low": 1.0}, "low is a batch size"),
+        ({"high": float("inf")}, "high is a batch size"),
+        ({"start": True}, "start is a batch size"),
+        ({"margin": "0.9"}, "margin is a fraction"),
+    ],
+)
+def test_sizes_that_are_not_whole_numbers_are_refused_before_any_try(kwargs, match):
+    calls: list[object] = []
+    with pytest.raises(TypeError, match=match):
+        ad.fit_batch_size(calls.append, device="cpu", **kwargs)
+    assert calls == []
+
+
+@pytest.mark.parametrize("margin", [0, -0.5, 1.5, float("nan")])
+def test_margin_outside_zero_to_one_is_refused(margin):
+    with pytest.raises(ValueError, match=r"margin=.* must be in \(0, 1\]"):
+        ad.fit_batch_size(limited(10), device="cpu", margin=margin)
+
+
+@pytest.mark.parametrize(
+    ("limit", "margin", "expected"), [(100, 0.9, 90), (37, 0.5, 18), (1, 0.9, 1)]
+)
+def test_margin_returns_that_fraction_of_the_largest_size_that_fits(limit, margin, expected):
+    assert ad.fit_batch_size(limited(limit), start=4, device="cpu", margin=margin) == expected

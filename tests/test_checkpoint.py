@@ -272,3 +272,127 @@ def test_nanogpt_style_resume_round_trips_model_and_optimizer(tmp_path):
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["exp_avg"], resumed_opt.state[b]["exp_avg"])
+
+
+# ----------------------------------------------------------------------------- killed writers
+
+BLOCKED_WRITER = """
+import sys, time, anydevice as ad
+
+class Slow:
+    def __reduce__(self):  # runs while torch.save writes the temporary file
+        print("writing", flush=True)
+        time.sleep(120)
+        return (int, (0,))
+
+ad.save({"x": Slow()}, sys.argv[1])
+"""
+
+
+@pytest.fixture
+def writers():
+    """Start writers that block in the middle of ad.save; kill every one at the end."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(path: Path) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, "-c", BLOCKED_WRITER, str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(p)
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "writing", p.stderr.read() if p.stderr else ""
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def test_temp_file_of_a_writer_killed_mid_save_is_removed_by_the_next_save(tmp_path, writers):
+    path = tmp_path / "ckpt.pt"
+    ad.save({"step": 1}, path)
+    writer = writers(path)
+    [stale] = leftovers(tmp_path)
+    assert stale.startswith(".ckpt.pt.") and f".{writer.pid}@" in stale
+    writer.kill()  # SIGKILL: no handler, no cleanup
+    writer.wait(timeout=30)
+    assert leftovers(tmp_path) == [stale]  # what a killed writer leaves
+    assert ad.load(path, "cpu") == {"step": 1}  # and the checkpoint is intact
+    ad.save({"step": 2}, path)
+    assert leftovers(tmp_path) == []
+    assert ad.load(path, "cpu") == {"step": 2}
+
+
+def test_temp_file_of_a_live_writer_is_left_alone(tmp_path, writers):
+    path = tmp_path / "ckpt.pt"
+    writer = writers(path)
+    [busy] = leftovers(tmp_path)
+    ad.save({"step": 3}, path)
+    assert leftovers(tmp_path) == [busy]
+    assert writer.poll() is None  # still writing, undisturbed
+
+
+def test_temp_files_of_other_paths_and_other_hosts_are_left_alone(tmp_path):
+    from anydevice.checkpoint import _host
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(dead.stdout)
+    other_host = tmp_path / f".ckpt.pt.{pid}@elsewhere-{_host()}.0123abcd.tmp"
+    other_path = tmp_path / f".other.pt.{pid}@{_host()}.0123abcd.tmp"
+    legacy = tmp_path / ".ckpt.pt.0123abcd.tmp"  # written before temp names carried the pid
+    ours = tmp_path / f".ckpt.pt.{pid}@{_host()}.0123abcd.tmp"
+    for f in (other_host, other_path, legacy, ours):
+        f.write_bytes(b"partial")
+    ad.save({"step": 4}, tmp_path / "ckpt.pt")
+    assert not ours.exists()  # its writer has exited
+    assert other_host.exists() and other_path.exists() and legacy.exists()
+
+
+def test_a_pid_reused_after_the_writer_died_is_told_apart_by_its_start_time(tmp_path):
+    from anydevice.checkpoint import _host
+
+    old = tmp_path / f".ckpt.pt.{os.getpid()}@{_host()}.0123abcd.tmp"
+    fresh = tmp_path / f".ckpt.pt.{os.getpid()}@{_host()}.4567cdef.tmp"
+    old.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    long_ago = 1_000_000_000  # 2001: long before this process started
+    os.utime(old, (long_ago, long_ago))
+    ad.save({"step": 5}, tmp_path / "ckpt.pt")
+    assert not old.exists()  # written by an earlier process that had this pid
+    assert fresh.exists()  # may be a save running in another thread of this process
+
+
+# ----------------------------------------------------------------------------- wrong paths
+
+
+def test_save_to_a_folder_says_so_and_suggests_a_file(tmp_path):
+    with pytest.raises(ad.CheckpointError, match=r"that is a folder; name a file inside it"):
+        ad.save({"x": 1}, tmp_path)
+    with pytest.raises(ad.CheckpointError, match=r"ends with a separator"):
+        ad.save({"x": 1}, f"{tmp_path}/new-folder/")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_and_load_of_an_empty_path_say_it_is_empty():
+    with pytest.raises(ad.CheckpointError, match="the path is empty"):
+        ad.save({"x": 1}, "")
+    with pytest.raises(ad.CheckpointError, match="the path is empty"):
+        ad.load("", "cpu")
+
+
+def test_load_of_a_folder_lists_the_checkpoints_in_it(tmp_path):
+    ad.save({"x": 1}, tmp_path / "epoch-1.pt")
+    ad.save({"x": 2}, tmp_path / "epoch-2.pt")
+    with pytest.raises(ad.CheckpointError, match=r"folder, not a checkpoint.*epoch-1.pt, epoch-2"):
+        ad.load(tmp_path, "cpu")
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    with pytest.raises(ad.CheckpointError, match=r"DCP.*ad.load_state"):
+        ad.load(dcp, "cpu")

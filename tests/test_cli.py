@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from anydevice import cli
+from conftest import cuda_gpu_present
 from ranks import process_tree_guard
 
 
@@ -41,6 +42,161 @@ def test_info_table_shows_host_and_devices():
     assert out.returncode == 0, out.stderr
     assert "host" in out.stdout and "torch" in out.stdout
     assert "cpu" in out.stdout
+
+
+def test_info_json_without_torch_has_the_schema_of_info_torch():
+    light, full = run("info", "--json"), run("info", "--json", "--torch")
+    assert light.returncode == full.returncode == 0, light.stderr + full.stderr
+    a, b = json.loads(light.stdout), json.loads(full.stdout)
+    assert a["schema"] == b["schema"]
+    assert set(a["host"]) == set(b["host"])
+    assert [set(d) for d in a["devices"]] == [set(d) for d in b["devices"]]
+    for key in ("torch", "torch_build", "cuda_runtime", "cpu_model", "cores_usable"):
+        assert a["host"][key] == b["host"][key], key
+    assert a["host"]["torch_threads"] is None and b["host"]["torch_threads"] >= 1
+    assert any("thread count is not probed" in n for n in a["notes"])
+
+
+# The command under a harness that reports afterwards whether torch was imported.
+HARNESS = """
+import json, sys
+from anydevice.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}), file=sys.stderr)
+"""
+
+
+def imports_torch(*args: str) -> tuple[bool, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", HARNESS, *args], capture_output=True, text=True, timeout=120
+    )
+    report = json.loads(out.stderr.strip().splitlines()[-1])
+    return report["torch"], report["code"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("info", "--help"),
+        ("top", "--help"),
+        ("select", "--help"),
+        ("doctor", "--help"),
+        ("launch", "--help"),
+        ("info",),
+        ("info", "--json"),
+        ("select", "-n", "2"),
+        ("top", "--once"),
+        ("top", "--json", "--once"),
+    ],
+)
+def test_help_info_top_and_select_do_not_import_torch(args):
+    torch_imported, code = imports_torch(*args)
+    assert code in (0, 1), code
+    assert not torch_imported
+
+
+def test_info_torch_does_import_torch():
+    assert imports_torch("info", "--torch", "--json") == (True, 0)
+
+
+# ----------------------------------------------------------------------------- top
+
+
+@pytest.mark.skipif(cuda_gpu_present(), reason="the no-GPU view")
+def test_top_once_without_a_gpu_shows_the_host_and_says_there_is_no_gpu():
+    out = run("top", "--once")
+    assert out.returncode == 0, out.stderr
+    assert "CPU" in out.stdout and "RAM" in out.stdout and socket.gethostname() in out.stdout
+    assert "no GPU" in out.stdout
+
+
+def test_top_json_prints_one_record_per_interval():
+    out = run("top", "--json", "--interval", "0.05", "--count", "3")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(records) == 3
+    assert all(r["schema"] == "anydevice.top/1" for r in records)
+    times = [r["time"] for r in records]
+    assert times == sorted(times) and times[-1] - times[0] >= 0.1
+    host = records[0]["host"]
+    assert 0 <= host["cpu_percent"] <= 100
+    assert 0 < host["memory_used"] < host["memory_total"]
+    if not cuda_gpu_present():
+        assert records[0]["gpus"] == [] and "no GPU" in records[0]["notes"][0]
+
+
+@pytest.mark.parametrize("bad", [["--interval", "0"], ["--interval", "x"], ["--count", "0"]])
+def test_top_refuses_bad_arguments(bad):
+    out = run("top", *bad)
+    assert out.returncode == 2 and "anydevice top: error" in out.stderr
+
+
+@pytest.mark.cuda
+def test_top_json_lists_every_gpu_with_both_indices():
+    from anydevice.inventory import inventory_without_torch
+
+    out = run("top", "--json", "--once")
+    (record,) = [json.loads(line) for line in out.stdout.splitlines()]
+    gpus = record["gpus"]
+    visible = inventory_without_torch(kinds=("cuda",)).of_kind("cuda")
+    by_uuid = {g["uuid"]: g for g in gpus}
+    for d in visible:
+        g = by_uuid[d.uuid]
+        assert (g["cuda_index"], g["smi_index"]) == (d.index, d.smi_index)
+        assert g["name"] == d.name and g["memory_total"] == d.memory_total
+        assert g["utilization"] is not None and g["temperature"] is not None
+        assert g["processes"] is not None
+    table = run("top", "--once").stdout
+    assert "GPUs" in table and f"cuda:{visible[0].index}" in table
+
+
+# ----------------------------------------------------------------------------- select
+
+
+@pytest.mark.skipif(cuda_gpu_present(), reason="the no-GPU answer")
+def test_select_without_a_gpu_exits_1_and_says_why():
+    out = run("select", "-n", "2")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "anydevice select: no CUDA GPU to select:" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["-n", "0"], ["--min-free", "8 apples"], ["--max-util", "150"], ["--format", "name"]],
+)
+def test_select_refuses_bad_arguments(bad):
+    out = run("select", *bad)
+    assert out.returncode == 2 and "anydevice select: error" in out.stderr
+
+
+@pytest.mark.cuda
+def test_select_prints_the_freest_gpus_by_uuid_and_index():
+    from anydevice.choice import choose_free
+    from anydevice.inventory import inventory_without_torch
+
+    gpus = inventory_without_torch(kinds=("cuda",)).of_kind("cuda")
+    out = run("select", "-n", "1")
+    assert out.returncode == 0, out.stderr
+    (uuid,) = out.stdout.strip().split(",")
+    picked = next(d for d in gpus if d.uuid == uuid)
+    # The freest by the rule. Other processes may move memory between the two readings:
+    # the pick must then be within 1 GiB of the freest seen here.
+    best = choose_free(gpus, 1).picked[0]
+    assert picked == best or picked.memory_free >= best.memory_free - 2**30
+    index = run("select", "-n", "1", "--format", "index")
+    if index.returncode == 0:
+        assert int(index.stdout) in {d.smi_index for d in gpus}
+    else:
+        assert "CUDA_DEVICE_ORDER" in index.stderr
+    too_many = run("select", "-n", str(len(gpus) + 1))
+    assert too_many.returncode == 1
+    assert f"{len(gpus) + 1} GPU(s) wanted, {len(gpus)} qualify" in too_many.stderr
+    none_fit = run("select", "--min-free", "100TiB")
+    assert none_fit.returncode == 1 and "free < 100.0 TiB" in none_fit.stderr
 
 
 def test_doctor_json_exit_code_matches_verdict():

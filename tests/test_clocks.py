@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,30 @@ def test_cpu_flush_is_twice_the_largest_cache():
     sizes = [clocks._cache_size(p) for p in Path(root).glob("index*")]
     expected = 2 * max(sizes) if sizes and max(sizes) else clocks.FALLBACK_FLUSH_BYTES
     assert clocks.flush_bytes(torch.device("cpu")) == expected
+
+
+@pytest.mark.cuda
+def test_synchronize_none_covers_every_gpu_with_a_context_and_makes_none():
+    code = textwrap.dedent(
+        """
+        import torch
+        from anydevice import clocks
+        n = torch.cuda.device_count()
+        last = n - 1
+        torch.ones(1, device=f"cuda:{last}")  # use only the last GPU
+        before = [torch._C._cuda_hasPrimaryContext(i) for i in range(n)]
+        found = [d.index for d in clocks.in_use()]
+        with torch.cuda.device(last):
+            torch.cuda._sleep(50_000_000)  # tens of ms on the last GPU
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(last))
+        clocks.synchronize(None)
+        print(done.query(), found == [i for i in range(n) if before[i]],
+              last in found, before == [torch._C._cuda_hasPrimaryContext(i) for i in range(n)])
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True", "True", "True"]

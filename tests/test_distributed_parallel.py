@@ -16,7 +16,7 @@ from torch.utils.data import (
 )
 
 import anydevice as ad
-from anydevice.distributed.parallel import ReshufflingSampler, device_loader, distributed_loader
+from anydevice.distributed.parallel import device_loader, distributed_loader
 from ranks import process_tree_guard, run_ranks
 
 
@@ -77,8 +77,8 @@ def test_a_device_loader_keeps_its_settings_and_is_not_wrapped_twice():
 
 
 def test_unknown_strategy_is_named():
-    with pytest.raises(ValueError, match="strategy='fsdp'"):
-        ad.prepare(nn.Linear(1, 1), strategy="fsdp")
+    with pytest.raises(ValueError, match="strategy='zero3'"):
+        ad.prepare(nn.Linear(1, 1), strategy="zero3")
 
 
 def test_dataparallel_on_cpu_warns_and_does_not_wrap():
@@ -177,17 +177,20 @@ def test_loaders_that_cannot_be_sharded_say_why(loader, match):
         distributed_loader(loader, 2, 0)
 
 
-def test_sampler_reshuffles_each_epoch_without_set_epoch_and_ranks_agree():
-    rank0 = ReshufflingSampler(range(12), num_replicas=2, rank=0, shuffle=True, seed=3)
-    rank1 = ReshufflingSampler(range(12), num_replicas=2, rank=1, shuffle=True, seed=3)
-    epochs = [(list(rank0), list(rank1)) for _ in range(3)]
+def test_the_shard_sampler_is_torchs_own_and_the_device_loader_advances_it():
+    ranks = [
+        device_loader(DataLoader(range(12), shuffle=True), 2, r, torch.device("cpu"))
+        for r in (0, 1)
+    ]
+    assert all(type(dl.sampler) is DistributedSampler for dl in ranks)
+    epochs = [tuple([b.item() for b in dl] for dl in ranks) for _ in range(3)]
     for a, b in epochs:
         assert sorted(a + b) == list(range(12))  # each epoch: the ranks split the data
     assert len({tuple(a) for a, _ in epochs}) == 3  # and the order changes every epoch
-    plain = DistributedSampler(range(12), num_replicas=2, rank=0, shuffle=True, seed=3)
-    plain.set_epoch(1)
-    rank0.set_epoch(1)  # set_epoch still chooses the epoch, as with torch's sampler
-    assert list(rank0) == list(plain) == epochs[1][0]
+    for e, (a, _) in enumerate(epochs):
+        plain = DistributedSampler(range(12), num_replicas=2, rank=0, shuffle=True)
+        plain.set_epoch(e)
+        assert a == list(plain)  # torch's own order for epoch e
 
 
 # ----------------------------------------------------------------------------- two ranks
@@ -205,7 +208,7 @@ def test_two_ranks_get_ddp_without_device_ids_on_cpu_and_a_sharded_loader(tmp_pa
         assert facts["optimizer_same"]
         assert facts["again_same"]  # preparing a prepared model leaves it alone
         assert (facts["loader"], facts["inner"]) == ("DeviceLoader", "DataLoader")
-        assert (facts["sampler"], facts["rank"], facts["replicas"]) == ("ReshufflingSampler", r, 2)
+        assert (facts["sampler"], facts["rank"], facts["replicas"]) == ("DistributedSampler", r, 2)
         assert facts["batches"] == [[r, r + 2], [r + 4, r + 6]]
 
 
@@ -235,20 +238,26 @@ def test_set_epoch_on_the_prepared_loader_reaches_the_sampler_on_every_rank(tmp_
         with ad.distributed(init_method=init_method, timeout=30):
             loader = DataLoader(range(16), batch_size=4, shuffle=True)
             _, dl = ad.prepare(nn.Linear(1, 1), loader)
+            next(iter(dl))  # a peek does not use up an epoch
             passes = [torch.cat(list(dl)).tolist() for _ in range(3)]  # epochs 0, 1, 2
             dl.set_epoch(1)
             again = torch.cat(list(dl)).tolist()  # epoch 1 once more
-            return passes, again, dl.sampler.epoch
+            dl.sampler.set_epoch(3)  # the DDP tutorial's own call, on torch's sampler
+            resumed = [torch.cat(list(dl)).tolist() for _ in range(2)]
+            return passes, again, resumed, dl.sampler.epoch
 
     results = run_ranks(rank, 2, tmp_path)
-    for r, (passes, again, epoch) in enumerate(results):
+    for r, (passes, again, resumed, epoch) in enumerate(results):
         assert len({tuple(p) for p in passes}) == 3  # a new order each epoch, unasked
         assert again == passes[1]  # set_epoch chose the epoch
-        assert epoch == 2  # the sampler moved on after the pass it was set for
-        for e, got in enumerate(passes):
+        orders = []
+        for e in range(4):
             plain = DistributedSampler(range(16), num_replicas=2, rank=r, shuffle=True)
             plain.set_epoch(e)
-            assert got == list(plain)  # torch's own sampler at epoch e
+            orders.append(list(plain))  # torch's own sampler at epoch e
+        assert passes == orders[:3]
+        assert resumed == [orders[3], orders[3]]  # the user's epoch, kept as torch keeps it
+        assert epoch == 3
     for e in range(3):  # the ranks split every epoch between them
         assert sorted(results[0][0][e] + results[1][0][e]) == list(range(16))
 

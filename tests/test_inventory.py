@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import psutil
+import pytest
 import torch
 
 import anydevice as ad
-from anydevice.inventory import DeviceInfo, Inventory, ProcessInfo, format_bytes
+from anydevice.inventory import (
+    DeviceInfo,
+    Inventory,
+    ProcessInfo,
+    format_bytes,
+    inventory_without_torch,
+    parse_size,
+)
 from machines import GiB, gpu, machine
 
 #: The documented JSON keys (docs/inventory.md). Keys may be added, never removed.
@@ -103,3 +114,63 @@ def test_inventory_does_not_initialise_cuda_or_import_torch_xla():
     assert not torch.cuda.is_initialized()
     assert not driver_initialized()
     assert "torch_xla" not in sys.modules
+
+
+# ----------------------------------------------------------------------------- without torch
+
+
+def test_inventory_without_torch_imports_no_torch_and_agrees_with_inventory():
+    code = (
+        "import json, sys\n"
+        "from anydevice.inventory import inventory_without_torch\n"
+        "inv = inventory_without_torch()\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'inv': inv.to_dict()}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    report = json.loads(out.stdout)
+    assert report["torch"] is False
+    light, full = report["inv"], ad.inventory().to_dict()
+    assert set(light["host"]) == HOST_KEYS
+    assert all(set(d) == DEVICE_KEYS for d in light["devices"])
+    for key in HOST_KEYS - {"torch_threads", "memory_available"}:
+        assert light["host"][key] == full["host"][key], key
+    assert light["host"]["torch_threads"] is None
+    assert [d["spec"] for d in light["devices"]] == [d["spec"] for d in full["devices"]]
+    assert any("thread count is not probed" in n for n in light["notes"])
+
+
+def test_inventory_without_torch_reads_torch_once_it_is_imported():
+    inv = inventory_without_torch(telemetry=False)
+    assert inv.host.torch_threads == torch.get_num_threads()
+    assert not any("not probed" in n for n in inv.notes)
+
+
+def test_backends_without_their_hardware_answer_without_torch():
+    code = (
+        "import json, sys\n"
+        "from anydevice import backends\n"
+        "out = {k: backends.get(k).probe_without_torch() for k in ('xla', 'xpu', 'mps')}\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules,\n"
+        "    'answers': {k: None if p is None else len(p.devices) for k, p in out.items()}}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    report = json.loads(out.stdout)
+    expected = {
+        "xla": None if importlib.util.find_spec("torch_xla") else 0,
+        "xpu": None if getattr(torch.version, "xpu", None) else 0,
+        "mps": None if sys.platform == "darwin" else 0,
+    }
+    assert report["answers"] == expected
+    assert report["torch"] is False
+
+
+def test_parse_size_reads_what_people_write():
+    assert parse_size("8GiB") == parse_size("8 g") == 8 * GiB
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size(512) == 512
+    with pytest.raises(ValueError, match="cannot read '8 apples' as a memory size"):
+        parse_size("8 apples")

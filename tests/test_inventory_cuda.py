@@ -101,11 +101,3 @@ def test_driver_initialised_is_detected_and_restrict_visible_refuses():
     )
     assert r["before"] is False and r["after"] is True and r["refused"] is True
     assert r["value"].startswith(("GPU-", "MIG-")) and r["count"] == 1
-
-
-def test_free_picks_the_emptiest_gpu():
-    import anydevice as ad
-
-    gpus = ad.inventory(telemetry=False).of_kind("cuda")
-    chosen = ad.describe("free")
-    assert chosen.memory_free == max(d.memory_free for d in gpus)

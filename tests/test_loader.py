@@ -198,28 +198,67 @@ def test_prefetch_false_never_starts_a_thread():
     assert seen_threads == [0] * 5
 
 
-def test_set_epoch_reaches_the_distributed_sampler():
-    ds = Squares(20)
-    sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=0)
-    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", prefetch=True)
-    loader.set_epoch(7)
-    assert sampler.epoch == 7
-    order7 = values(loader)
-    loader.set_epoch(7)
-    assert values(loader) == order7  # same epoch, same order
+def torch_order(n: int, epoch: int, rank: int = 1) -> list[float]:
+    """The samples torch's own DistributedSampler deals rank ``rank`` of 2 at ``epoch``."""
+    sampler = DistributedSampler(range(n), num_replicas=2, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return [float(i) for i in sampler]
 
 
-def test_each_pass_sets_the_next_epoch_when_the_user_does_not():
-    ds = Squares(40)
+def sharded(n: int = 40, **kw) -> DeviceLoader:
+    ds = Squares(n)
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
-    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", prefetch=True)
-    epochs = []
-    orders = []
-    for _ in range(3):
-        orders.append(values(loader))
-        epochs.append(sampler.epoch)
-    assert epochs == [0, 1, 2]
-    assert orders[0] != orders[1]  # a DistributedSampler repeats one order without set_epoch
+    return DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", **kw)
+
+
+def test_set_epoch_reaches_the_distributed_sampler():
+    loader = sharded(20, prefetch=True)
+    loader.set_epoch(7)
+    assert loader.sampler.epoch == 7
+    assert values(loader) == torch_order(20, 7)
+    assert values(loader) == torch_order(20, 7)  # the epoch is the user's: kept, as in torch
+
+
+def test_each_complete_pass_advances_the_epoch_when_the_user_never_sets_it():
+    loader = sharded()
+    assert [values(loader) for _ in range(3)] == [torch_order(40, e) for e in range(3)]
+    assert loader.sampler.epoch == 3  # the next pass's
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_peek_or_a_break_does_not_use_up_an_epoch(prefetch):
+    loader = sharded(prefetch=prefetch)
+    next(iter(loader))  # a peek
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    assert values(loader) == torch_order(40, 0)
+    assert values(loader) == torch_order(40, 1)
+
+
+@pytest.mark.parametrize("where", ["loader", "sampler"])
+def test_resume_at_epoch_three_gives_torchs_order_for_epoch_three(where):
+    loader = sharded()
+    target = loader if where == "loader" else loader.sampler
+    target.set_epoch(3)
+    assert values(loader) == torch_order(40, 3)
+    assert values(loader) == torch_order(40, 3)  # theirs from then on, as with torch's sampler
+
+
+def test_the_ddp_tutorials_sampler_set_epoch_is_never_overridden():
+    loader = sharded()
+    got = []
+    for epoch in (0, 1, 2, 1, 5):  # in order, then a replay and a jump
+        loader.sampler.set_epoch(epoch)
+        got.append(values(loader))
+    assert got == [torch_order(40, e) for e in (0, 1, 2, 1, 5)]
+
+
+def test_setting_the_sampler_to_the_epoch_just_run_replays_it():
+    loader = sharded()
+    first = values(loader)  # automatic epoch 0
+    loader.sampler.set_epoch(0)
+    assert values(loader) == first == torch_order(40, 0)
 
 
 def test_stats_call_a_slow_source_input_bound():

@@ -120,11 +120,22 @@ def test_explicit_non_blocking_reaches_tensor_to():
     assert [s["non_blocking"] for s in RecordingTensor.seen] == [True, False, False]
 
 
+class ReportsPinned(torch.Tensor):
+    """A real CPU tensor that answers ``is_pinned()`` with True (pinning needs a GPU)."""
+
+    def is_pinned(self, *args: Any, **kwargs: Any) -> bool:  # type: ignore[override]
+        return True
+
+
 def test_auto_non_blocking_rule():
     cpu_tensor = torch.ones(1)
     assert not cpu_tensor.is_pinned()
-    # host to accelerator: asynchronous only from pinned memory (this one is pageable)
+    # host to accelerator: blocking, pageable or pinned (the caller may refill the buffer)
     assert _auto_non_blocking(CPU, cpu_tensor, "cuda") is False
+    pinned = torch.ones(1).as_subclass(ReportsPinned)
+    assert pinned.is_pinned()
+    assert _auto_non_blocking(CPU, pinned, "cuda") is False
+    assert _auto_non_blocking(CPU, pinned, "xpu") is False
     # accelerator to accelerator: asynchronous
     assert _auto_non_blocking(torch.device("cuda", 1), cpu_tensor, "cuda") is True
     assert _auto_non_blocking(torch.device("xpu", 0), cpu_tensor, "xpu") is True
@@ -548,3 +559,88 @@ def test_random_structures_keep_structure_types_values_and_identity(obj):
     # the input is unchanged: same values, and its tensors still on the CPU
     assert set(ad.devices_of(obj)) <= {CPU}
     assert repr(obj) == repr(snapshot)
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+class PairWithNotes(Pair):
+    """A named-tuple subclass without __slots__: instances carry extra attributes."""
+
+
+class Scaled(NamedTuple):
+    value: Any
+    scale: int
+
+
+class ScaledFromOne(Scaled):
+    __slots__ = ()
+
+    def __new__(cls, value: Any) -> ScaledFromOne:  # a signature of its own
+        return super().__new__(cls, value, 1)
+
+
+class TaggedTuple(tuple[Any, ...]):
+    """A plain tuple subclass with a __new__ of its own and extra attributes."""
+
+    def __new__(cls, first: Any, second: Any) -> TaggedTuple:
+        return super().__new__(cls, (first, second))
+
+
+def test_named_tuple_subclass_keeps_and_moves_its_extra_attributes():
+    p = PairWithNotes(torch.ones(1), "a")
+    p.note = "kept"  # type: ignore[attr-defined]
+    p.weights = torch.ones(3)  # type: ignore[attr-defined]
+    out = ad.to(p, META)
+    assert type(out) is PairWithNotes and out.a.device == META and out.b == "a"
+    assert out.note == "kept" and out.weights.device == META
+    assert p.weights.device == CPU  # the caller's object is untouched
+    skipped = ad.to(p, META, skip_keys=("weights",))
+    assert skipped.weights is p.weights and skipped.a.device == META
+
+
+def test_named_tuple_with_its_own_new_is_rebuilt_without_calling_it():
+    out = ad.to({"s": ScaledFromOne(torch.ones(2))}, META)["s"]
+    assert type(out) is ScaledFromOne and out.value.device == META and out.scale == 1
+
+
+def test_tuple_subclass_with_its_own_new_keeps_its_attributes():
+    t = TaggedTuple(torch.ones(1), 2)
+    t.origin = torch.zeros(1)  # type: ignore[attr-defined]
+    out = ad.to(t, META)
+    assert type(out) is TaggedTuple and out[0].device == META and out[1] == 2
+    assert out.origin.device == META
+
+
+def test_torch_return_types_are_rebuilt_by_their_own_class():
+    r = torch.max(torch.ones(2, 2), 0)
+    out = ad.to(r, META)
+    assert type(out) is type(r) and out.values.device == META
+
+
+def test_deque_and_userlist_are_moved_with_their_type_and_maxlen():
+    d = collections.deque([torch.ones(1), "x"], maxlen=3)
+    out = ad.to({"d": d}, META)["d"]
+    assert type(out) is collections.deque and out.maxlen == 3
+    assert out[0].device == META and out[1] == "x" and d[0].device == CPU
+    u = collections.UserList([torch.ones(1)])
+    moved = ad.to(u, META)
+    assert type(moved) is collections.UserList and moved[0].device == META
+
+
+def test_structure_deeper_than_max_depth_is_refused_with_the_path_not_recursion_error():
+    from anydevice.placement import MAX_DEPTH
+
+    deep: Any = torch.ones(1)
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ad.MoveError, match=rf"more than {MAX_DEPTH} containers deep") as info:
+        ad.to(deep, META)
+    assert info.value.path.startswith("obj[0][0][0]")
+    shallow: Any = torch.ones(1)
+    for _ in range(MAX_DEPTH - 1):
+        shallow = {"k": shallow}
+    out = ad.to(shallow, META)
+    for _ in range(MAX_DEPTH - 1):
+        out = out["k"]
+    assert out.device == META

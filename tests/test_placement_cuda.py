@@ -32,7 +32,8 @@ def pinned_batch() -> dict[str, Any]:
 
 def test_pinned_batch_arrives_whole(gpu):
     batch = pinned_batch()
-    assert _auto_non_blocking(CPU, batch["x"], "cuda") is True
+    assert batch["x"].is_pinned()
+    assert _auto_non_blocking(CPU, batch["x"], "cuda") is False  # the caller owns the buffer
     assert _auto_non_blocking(CPU, batch["mask"], "cuda") is False
     out = ad.to(batch, gpu)
     assert out["x"].device == gpu and out["ids"][0].device == gpu and out["mask"].device == gpu
@@ -41,11 +42,25 @@ def test_pinned_batch_arrives_whole(gpu):
     assert out["ids"][1] == "text"
 
 
-def test_cuda_without_index_means_the_current_device(gpu):
-    on_gpu = torch.ones(2, device=gpu)
-    assert ad.to(on_gpu, torch.device("cuda")) is on_gpu
-    assert ad.to(torch.ones(2), "cuda").device == gpu
-    assert ad.to({"t": on_gpu}, "gpu")["t"] is on_gpu
+def test_refilling_a_pinned_staging_buffer_after_to_does_not_change_what_the_gpu_got(gpu):
+    staging = torch.empty(1 << 22).pin_memory()
+    for value in (1.0, 2.0, 3.0):
+        staging.fill_(value)
+        torch.cuda._sleep(100_000_000)  # queue work first: an async copy would start later
+        out = ad.to({"x": staging}, gpu)["x"]
+        staging.fill_(-1.0)  # the next batch arrives in the same buffer
+        assert bool((out == value).all()), f"the GPU read the refilled buffer for {value}"
+
+
+def test_explicit_non_blocking_from_pinned_memory_reads_the_buffer_late(gpu):
+    # The hazard "auto" avoids, shown: with non_blocking=True the copy runs after to()
+    # returned, behind the queued work, and sees what the host wrote meanwhile.
+    staging = torch.full((1 << 22,), 1.0).pin_memory()
+    torch.cuda._sleep(200_000_000)
+    out = ad.to(staging, gpu, non_blocking=True)
+    staging.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert bool((out == -1.0).all())
 
 
 def test_device_to_host_auto_is_blocking_so_the_result_is_ready(gpu):

@@ -27,14 +27,28 @@ def regression(dev: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor
     return model, x, x.sum(1, keepdim=True) / 8
 
 
-def test_auto_picks_bf16_from_compute_capability_8(dev: torch.device) -> None:
+# What each part runs natively, from NVIDIA's data sheets: tensor cores with bf16 from
+# Ampere (8.x) on; Volta and Turing have fp16 tensor cores only.
+KNOWN_PARTS = {
+    "H100": "bf16", "H200": "bf16", "H20": "bf16", "GH200": "bf16", "B200": "bf16",
+    "GB200": "bf16", "A100": "bf16", "A10": "bf16", "A30": "bf16", "A40": "bf16",
+    "L4": "bf16", "L40": "bf16", "RTX 4090": "bf16", "RTX 3090": "bf16", "RTX A6000": "bf16",
+    "V100": "fp16", "T4": "fp16", "RTX 2080": "fp16",
+}  # fmt: skip
+
+
+def test_auto_agrees_with_torch_and_the_data_sheet_on_native_bf16(dev: torch.device) -> None:
     info = ad.describe(dev, telemetry=False)
-    major, minor = torch.cuda.get_device_capability(dev)
-    assert info.compute_capability == (major, minor)
+    assert info.compute_capability == torch.cuda.get_device_capability(dev)
     p = ad.precision(dev)
-    assert p.mode == ("bf16" if major >= 8 else "fp16" if major >= 7 else "fp32")
-    if "H100" in info.name or "H200" in info.name:
-        assert (p.mode, p.dtype, p.scaler) == ("bf16", torch.bfloat16, None)
+    # torch's own test, which does not count emulation: bf16 exactly where it says native.
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert (p.mode == "bf16") == native, (p, native)
+    words = info.name.replace("-", " ").split()
+    known = [mode for part, mode in KNOWN_PARTS.items() if all(w in words for w in part.split())]
+    if known:
+        assert p.mode == known[0], f"{info.name}: the data sheet says {known[0]}, got {p}"
+    assert (p.scaler is not None) == (p.mode == "fp16")
     with p.autocast():
         y = nn.Linear(8, 8).to(dev)(torch.randn(4, 8, device=dev))
     assert y.dtype == p.dtype

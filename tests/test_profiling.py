@@ -7,6 +7,8 @@ import gzip
 import io
 import json
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -132,6 +134,32 @@ def test_nvtx_range_without_cuda_does_nothing_but_wraps_correctly():
     assert "inactive" in repr(r)
     with pytest.raises(ValueError, match="inner"), ad.nvtx_range("raises"):
         raise ValueError("inner")
+
+
+def test_nvtx_range_never_asks_whether_cuda_is_available():
+    # Watched, not replaced: a profile hook sees every Python call into torch.cuda's
+    # initialisation while the decorator is applied and the range is entered.
+    asked: list[str] = []
+    watched = {"is_available", "device_count", "init", "_lazy_init", "is_initialized"}
+    cuda_init = os.path.join("torch", "cuda", "__init__.py")
+
+    def watch(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name in watched and code.co_filename.endswith(cuda_init):
+            asked.append(code.co_name)
+
+    sys.setprofile(watch)
+    try:
+
+        @ad.nvtx_range("step")
+        def step(x):
+            return x + 1
+
+        with ad.nvtx_range("block"):
+            assert step(1) == 2
+    finally:
+        sys.setprofile(None)
+    assert asked == []
 
 
 def test_sync_report_groups_repeated_lines():

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -139,3 +142,31 @@ def test_nvtx_range_is_active_on_cuda():
         y = forward(torch.ones(2, device="cuda"))
     assert r.active
     assert y.sum().item() == 4.0
+
+
+def test_decorating_with_nvtx_range_leaves_cuda_uninitialised():
+    # A decorator runs at import time: it must not run cuInit, or restrict_visible (and
+    # fork) are refused for the rest of the process.
+    code = textwrap.dedent(
+        """
+        import anydevice as ad
+        from anydevice.backends.cuda import driver_initialized
+
+        @ad.nvtx_range("forward")
+        def forward(x):
+            return x * 2
+
+        print("driver initialised:", driver_initialized())
+        ad.restrict_visible("0")
+        import torch
+        with ad.nvtx_range("block"):
+            y = forward(torch.ones(2, device="cuda"))
+        print("ok", y.sum().item(), torch.cuda.device_count())
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "driver initialised: False" in out.stdout
+    assert out.stdout.strip().endswith("ok 4.0 1")

@@ -17,8 +17,8 @@ from anydevice.selection import (
     select,
     select_all,
     try_gpu_in,
-    visible_value,
 )
+from anydevice.visibility import visible_value
 from machines import GiB, gpu, machine
 
 
@@ -399,3 +399,60 @@ def test_restrict_visible_rejects_nonsense():
 
 def test_visibility_error_is_a_runtime_error():
     assert issubclass(VisibilityError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- current device
+
+
+def test_bare_cuda_names_the_current_device_once_there_is_one():
+    inv = machine(gpu(0), gpu(1), gpu(2))
+    assert pick("cuda", inv) == "cuda:0"  # CUDA not initialised: no set_device can have run
+    current = {"cuda": 2}
+    assert pick("cuda", inv, current=current) == "cuda:2"
+    assert pick("gpu", inv, current=current) == "cuda:2"
+    assert pick("auto", inv, current=current) == "cuda:2"
+    assert pick("cuda:1", inv, current=current) == "cuda:1"  # an index wins
+    assert pick("cuda", inv, current={"xpu": 1}) == "cuda:0"  # another kind's current
+
+
+def test_launcher_rank_wins_over_the_current_device_for_auto():
+    inv = machine(gpu(0), gpu(1))
+    env = {"LOCAL_RANK": "1"}
+    assert pick("auto", inv, environ=env, current={"cuda": 0}) == "cuda:1"
+
+
+def test_need_memory_tries_the_current_device_first():
+    inv = machine(gpu(0, free=30 * GiB), gpu(1, free=2 * GiB), gpu(2, free=9 * GiB))
+    assert pick("cuda", inv, need_memory=8 * GiB, current={"cuda": 2}) == "cuda:2"
+    assert pick("cuda", inv, need_memory=8 * GiB, current={"cuda": 1}) == "cuda:0"
+    assert pick("auto", inv, need_memory=8 * GiB, current={"cuda": 2}) == "cuda:2"
+
+
+def test_looking_at_devices_on_this_machine_initialises_nothing():
+    from anydevice.selection import current_indices
+
+    assert ad.device("cpu") == torch.device("cpu")
+    ad.devices("auto")
+    assert not torch.cuda.is_initialized()
+    assert "cuda" not in current_indices()
+
+
+# ----------------------------------------------------------------------------- raw errors
+
+
+def test_devices_of_none_is_a_type_error_that_says_what_to_pass():
+    with pytest.raises(TypeError, match=r"not NoneType \(None\).*'auto'"):
+        ad.devices(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("need", [float("nan"), float("inf"), -float("inf")])
+def test_need_memory_that_is_not_a_finite_size_is_a_spec_error(need):
+    with pytest.raises(DeviceSpecError, match="memory size"):
+        ad.device("cpu", need_memory=need)
+
+
+def test_try_gpu_with_a_string_index_is_a_type_error_with_the_fix():
+    with pytest.raises(TypeError, match=r"try_gpu\('1'\).*try_gpu\(1\)"):
+        ad.try_gpu("1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ad.try_gpu(True)

@@ -8,6 +8,7 @@ errors from the others, and makes the ranks of a distributed run agree.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,13 +29,20 @@ _FITS, _OOM, _FAILED = 1, 0, -1
 
 #: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
 #: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
-#: older XPU extension, and CUDA calls outside the caching allocator (cuBLAS workspaces).
+#: older XPU extension, CUDA calls outside the caching allocator, the CUDA libraries'
+#: own allocation failures (cuBLAS handle and workspace, cuDNN, cuFFT, cuSOLVER,
+#: cuSPARSE), cuDNN finding no convolution algorithm whose workspace fits, and the text of
+#: a CUDA OutOfMemoryError that was re-raised as another type.
 _OOM_TEXTS = (
     "DefaultCPUAllocator: can't allocate memory",
     "MPS backend out of memory",
     "XPU out of memory",
     "CUDA error: out of memory",
+    "CUDA out of memory",
     "HIP out of memory",
+    "_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_, HIPBLAS_
+    "CUFFT_ALLOC_FAILED",
+    "Unable to find a valid cuDNN algorithm",
 )
 
 
@@ -45,6 +53,7 @@ def fit_batch_size(
     high: int | None = None,
     *,
     device: DeviceLike | None = None,
+    margin: float = 1.0,
 ) -> int:
     """The largest batch size for which ``step(batch_size)`` runs without running out of memory.
 
@@ -58,7 +67,9 @@ def fit_batch_size(
     untouched from the first try that raises it.
 
     The answer assumes that a size that fits once always fits and that memory use grows
-    with the batch size. Leave some room in practice: fragmentation grows during training.
+    with the batch size. Leave some room in practice: fragmentation grows during training,
+    and longer sequences need more. ``margin=0.9`` returns 90 % of the largest size that
+    fits (rounded down, never below ``low``).
 
     **Distributed runs**: when a ``torch.distributed`` process group is initialised, the
     ranks agree after every try (an all-reduce of one number), so each rank tries the same
@@ -76,6 +87,8 @@ def fit_batch_size(
     ...         raise torch.OutOfMemoryError("pretend")
     >>> fit_batch_size(step, start=2, device="cpu"), calls
     (5, [2, 4, 8, 6, 5])
+    >>> fit_batch_size(step, start=8, device="cpu", margin=0.9)
+    4
 
     Args:
         step: runs one step (forward and backward, optimizer step) at a batch size.
@@ -84,21 +97,19 @@ def fit_batch_size(
         high: the largest size to try; None for no limit (up to ``MAX_BATCH_SIZE``).
         device: where ``step`` allocates, to free its cache between tries; None: the
             accelerator this process is using, else the CPU.
+        margin: the fraction of the largest fitting size to return, in (0, 1].
 
     Returns:
-        The largest size that fits (on every rank).
+        The largest size that fits (on every rank), times ``margin``.
 
     Raises:
         BatchSizeError: even ``low`` runs out of memory; or ``step`` never ran out of memory
             up to ``MAX_BATCH_SIZE`` (does it use its argument?); or another rank failed.
-        ValueError: ``low < 1``, ``start < low``, or ``high < start``.
+        TypeError: ``start``, ``low`` or ``high`` is not an int, or ``margin`` not a number.
+        ValueError: ``low < 1``, ``start < low``, ``high < start``, or ``margin`` outside
+            (0, 1].
     """
-    if low < 1:
-        raise ValueError(f"low must be >= 1, not {low}")
-    if start < low:
-        raise ValueError(f"start ({start}) must be >= low ({low})")
-    if high is not None and high < start:
-        raise ValueError(f"high ({high}) must be >= start ({start})")
+    _check_bounds(start, low, high, margin)
     trials = _Trials(step, device)
     limit = high if high is not None else MAX_BATCH_SIZE
     try:
@@ -112,7 +123,38 @@ def fit_batch_size(
             f"step({found}) still did not run out of memory; does step use its batch size "
             "argument? Pass high= to cap the search."
         )
-    return found
+    return max(low, int(found * margin))
+
+
+def _check_bounds(start: int, low: int, high: int | None, margin: float) -> None:
+    """Refuse bounds the search cannot use, before the first try runs."""
+    for name, value in (("start", start), ("low", low), ("high", high)):
+        if value is None and name == "high":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            hint = f"{name}=8"
+            if isinstance(value, float) and math.isfinite(value) and value >= 1:
+                hint = f"{name}={int(value)}"
+            raise TypeError(
+                f"fit_batch_size: {name} is a batch size, a whole number, not "
+                f"{type(value).__name__} ({value!r}); pass e.g. {hint}."
+            )
+    if low < 1:
+        raise ValueError(f"fit_batch_size: low must be >= 1, not {low}.")
+    if start < low:
+        raise ValueError(f"fit_batch_size: start ({start}) must be >= low ({low}).")
+    if high is not None and high < start:
+        raise ValueError(f"fit_batch_size: high ({high}) must be >= start ({start}).")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise TypeError(
+            f"fit_batch_size: margin is a fraction such as 0.9, not {type(margin).__name__} "
+            f"({margin!r})."
+        )
+    if not 0 < margin <= 1:
+        raise ValueError(
+            f"fit_batch_size: margin={margin!r} must be in (0, 1]: the fraction of the largest "
+            "size that fits to return (0.9 leaves 10 % for fragmentation and longer inputs)."
+        )
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -121,16 +163,39 @@ def is_out_of_memory(exc: BaseException) -> bool:
     ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
     RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
     can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
-    extension, and CUDA calls outside the caching allocator ("CUDA error: out of memory").
+    extension, CUDA calls outside the caching allocator ("CUDA error: out of memory"), the
+    CUDA libraries' allocation failures (``CUBLAS_STATUS_ALLOC_FAILED`` and the like), and
+    cuDNN finding no algorithm whose workspace fits.
 
     >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
     True
     >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
     False
+
+    An error raised *because of* one of those counts too: the chain of ``__cause__``
+    (``raise ... from oom``, as ``torch._dynamo`` wraps backend failures) and
+    ``__context__`` (an error raised while handling it) is followed, except where
+    ``raise ... from None`` cut it.
+
+    >>> try:
+    ...     try:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory.")
+    ...     except RuntimeError as oom:
+    ...         raise ValueError("backend failed") from oom
+    ... except ValueError as wrapped:
+    ...     is_out_of_memory(wrapped)
+    True
     """
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _OOM_TEXTS)
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(e, RuntimeError) and any(text in str(e) for text in _OOM_TEXTS):
+            return True
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+    return False
 
 
 def search(fits: Callable[[int], bool], *, start: int, low: int, high: int) -> int | None:

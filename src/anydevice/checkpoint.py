@@ -5,6 +5,10 @@ temporary file in the same folder, flushes and ``fsync``\\ s it, renames it over
 (``os.replace``, atomic on POSIX and Windows) and ``fsync``\\ s the folder, so the rename
 itself survives a power cut. If anything fails before the rename (an object that cannot be
 pickled, a full disk), the previous checkpoint is untouched and the temporary file is gone.
+A writer killed outright (``SIGKILL``, a power cut) cannot clean up: its temporary file,
+``.NAME.PID@HOST.HEX.tmp``, names the writer, and the next save to the same path removes it
+once that process is gone (same host only; a process that reused the pid is told apart by
+its start time).
 
 :func:`load` maps every storage onto the target device (``map_location``), with
 ``weights_only=True`` as torch does. torch's zip format stores a CRC-32 for every record
@@ -17,8 +21,11 @@ looks wrong: empty, truncated, a record that fails its CRC, not a checkpoint at 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
+import re
+import socket
 import stat
 import sys
 import zipfile
@@ -35,6 +42,8 @@ from anydevice.selection import device as _select_device
 __all__ = ["load", "save"]
 
 PathLike = str | os.PathLike[str]
+
+logger = logging.getLogger("anydevice")
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_END = b"PK\x05\x06"
@@ -64,11 +73,19 @@ def save(obj: object, path: PathLike) -> Path:
     Raises:
         CheckpointError: writing failed (an object that cannot be pickled, a full disk, a
             folder that does not exist or cannot be written); the original is the
-            ``__cause__``, and the message says the previous file was kept.
+            ``__cause__``, and the message says the previous file was kept. Also for a
+            ``path`` that is empty or names a folder.
     """
-    target = Path(os.fspath(path))
+    target = _file_path(path, "save")
+    if target.is_dir():
+        raise CheckpointError(
+            f"ad.save({str(target)!r}): that is a folder; name a file inside it, e.g. "
+            f"{str(target / 'checkpoint.pt')!r}.",
+            path=str(target),
+        )
     folder = target.parent
-    tmp = folder / f".{target.name}.{os.urandom(4).hex()}.tmp"
+    _remove_stale_temps(target)
+    tmp = folder / f".{target.name}.{os.getpid()}@{_host()}.{os.urandom(4).hex()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
@@ -89,6 +106,77 @@ def save(obj: object, path: PathLike) -> Path:
         raise CheckpointError(_save_failed(target, e, wrote=True), path=str(target)) from e
     _fsync_folder(folder)
     return target
+
+
+def _file_path(path: PathLike, verb: str) -> Path:
+    """``path`` as a ``Path``, refusing the empty path and a trailing separator."""
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"ad.{verb}: the path is a str or os.PathLike, not {type(path).__name__}")
+    if not text.strip():
+        raise CheckpointError(
+            f"ad.{verb}({text!r}): the path is empty; give a file such as 'checkpoints/last.pt'.",
+            path=text,
+        )
+    if text.endswith(("/", os.sep)) and verb == "save":
+        raise CheckpointError(
+            f"ad.save({text!r}): the path ends with a separator, so it names a folder; add a "
+            f"file name, e.g. {text + 'checkpoint.pt'!r}.",
+            path=text,
+        )
+    return Path(text)
+
+
+def _host() -> str:
+    """This machine's name as it appears in temporary file names (no '.' or '@')."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "host"
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Remove the temporary files of earlier saves to ``target`` whose writer has died."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)@([A-Za-z0-9-]+)\.[0-9a-f]{{8}}\.tmp")
+    host = _host()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return  # the save itself will say what is wrong with the folder
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or m.group(2) != host:
+            continue  # not ours, or written from another machine: its writer cannot be seen
+        try:
+            modified = entry.stat(follow_symlinks=False).st_mtime
+            if _writer_alive(int(m.group(1)), modified):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append(entry.name)
+    if removed:
+        logger.info(
+            "ad.save(%r): removed %d temporary file(s) left by saves that were killed: %s",
+            str(target),
+            len(removed),
+            ", ".join(removed),
+        )
+
+
+def _writer_alive(pid: int, modified: float) -> bool:
+    """Whether process ``pid`` may still be writing a file last modified at ``modified``."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False  # exited, not yet reaped: its file is closed for good
+        started = proc.create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True  # cannot tell (access denied): leave its file alone
+    # A process started after the file was last written reused the pid of a dead writer.
+    return started <= modified + 1.0
 
 
 def _save_failed(target: Path, e: BaseException, *, wrote: bool) -> str:
@@ -155,12 +243,15 @@ def load(
 
     Raises:
         CheckpointError: the file is empty, truncated, corrupt, or not a checkpoint; the
-            message says which, with the path and size.
+            message says which, with the path and size. A folder gets a message listing
+            the checkpoints in it (or pointing to :func:`anydevice.load_state` for DCP).
         FileNotFoundError: there is no such file.
         pickle.UnpicklingError: ``weights_only=True`` refused an object (torch's message
             says how to allow it); not a sign of a damaged file.
     """
-    file = Path(os.fspath(path))
+    file = _file_path(path, "load")
+    if file.is_dir():
+        raise CheckpointError(_folder_message(file), path=str(file))
     map_location = None if device is None else _select_device(device)
     if verify:
         _verify_or_raise(file)
@@ -174,6 +265,27 @@ def load(
         raise CheckpointError(_load_failed(file, e), path=str(file)) from e
     except (RuntimeError, EOFError, ValueError, KeyError, UnicodeDecodeError, OSError) as e:
         raise CheckpointError(_load_failed(file, e), path=str(file)) from e
+
+
+def _folder_message(folder: Path) -> str:
+    start = f"ad.load({str(folder)!r}): that is a folder, not a checkpoint file"
+    if (folder / ".metadata").is_file():
+        return (
+            f"{start}; it holds a distributed (DCP) checkpoint, which "
+            "ad.load_state(path, model=..., optimizer=...) reads."
+        )
+    try:
+        files = sorted(
+            p.name
+            for p in folder.iterdir()
+            if p.suffix in (".pt", ".pth", ".ckpt", ".bin", ".tar") and p.is_file()
+        )
+    except OSError:
+        files = []
+    if files:
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        return f"{start}. Checkpoints in it: {shown}; pass one of them."
+    return f"{start}, and it holds no .pt/.pth/.ckpt file. Pass the checkpoint file's path."
 
 
 def _verify_or_raise(file: Path) -> None:

@@ -1,7 +1,11 @@
-"""The ``anydevice`` command: ``info``, ``doctor``, ``launch``.
+"""The ``anydevice`` command: ``info``, ``top``, ``select``, ``doctor``, ``launch``.
 
 Each sub-command registers itself in :data:`COMMANDS` with a function that adds its
 arguments and one that runs it; ``main`` parses and dispatches.
+
+This module imports nothing heavy at the top: ``--help``, ``info``, ``top`` and ``select``
+never import torch (``info --torch`` does, and so does a backend that cannot be seen
+without it, which ``info`` then says). Each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -10,15 +14,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from anydevice._version import __version__
 
 __all__ = ["main"]
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(NamedTuple):
+    # A NamedTuple, not a dataclass: ``dataclasses`` costs ``--help`` a tenth of its time.
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
@@ -29,12 +33,18 @@ class Command:
 
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="also ask torch (its thread count, cuDNN and NCCL as it loads them); slower, "
+        "as it imports torch",
+    )
 
 
 def _info(args: argparse.Namespace) -> int:
-    from anydevice.inventory import inventory
+    from anydevice.inventory import inventory, inventory_without_torch
 
-    inv = inventory()
+    inv = inventory() if args.torch else inventory_without_torch()
     if args.json:
         print(inv.to_json())
         return 0
@@ -44,6 +54,148 @@ def _info(args: argparse.Namespace) -> int:
 
     render_inventory(inv, Console())
     return 0
+
+
+# ----------------------------------------------------------------------------- top
+
+
+def _top_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="S",
+        help="seconds between readings (default 1)",
+    )
+    p.add_argument("--once", action="store_true", help="print one reading and exit (for logs)")
+    p.add_argument("--json", action="store_true", help="one JSON record per reading, one a line")
+    p.add_argument(
+        "--count", type=_positive_int, default=None, metavar="N", help="stop after N readings"
+    )
+
+
+def _top(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+
+    from anydevice.console import top_view
+    from anydevice.gpuwatch import Watcher
+
+    count = 1 if args.once else args.count
+    console = Console()
+    watcher = Watcher()
+    live = None
+    if not args.json and count != 1 and console.is_terminal:
+        from rich.live import Live
+
+        live = Live(console=console, auto_refresh=False, transient=False)
+        live.start()
+    taken = 0
+    try:
+        while True:
+            reading = watcher.read()
+            taken += 1
+            if args.json:
+                print(json.dumps(reading.to_dict()), flush=True)
+            elif live is not None:
+                live.update(top_view(reading), refresh=True)
+            else:
+                console.print(top_view(reading))
+            if count is not None and taken >= count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if live is not None:
+            live.stop()
+
+
+# ----------------------------------------------------------------------------- select
+
+
+def _select_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Prints a CUDA_VISIBLE_DEVICES value for the N freest GPUs by ad.device('free')'s "
+        "rule (most free memory, then least busy), e.g. gpus=$(anydevice select -n 2) && "
+        "export CUDA_VISIBLE_DEVICES=$gpus. Exits 1, saying why, when fewer GPUs qualify "
+        "(and prints nothing, which as CUDA_VISIBLE_DEVICES would hide every GPU)."
+    )
+    p.add_argument(
+        "-n", dest="n", type=_positive_int, default=1, metavar="N", help="GPUs (default 1)"
+    )
+    p.add_argument(
+        "--min-free",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="only GPUs with this much memory free, e.g. 8GiB",
+    )
+    p.add_argument(
+        "--max-util",
+        type=_percent,
+        default=None,
+        metavar="PCT",
+        help="only GPUs at most this busy, in percent",
+    )
+    p.add_argument(
+        "--format",
+        choices=("uuid", "index"),
+        default="uuid",
+        help="UUIDs (default: right whatever CUDA_DEVICE_ORDER says) or CUDA indices",
+    )
+
+
+def _select(args: argparse.Namespace) -> int:
+    from anydevice.choice import select_visible
+    from anydevice.errors import AnydeviceError
+
+    try:
+        print(select_visible(args.n, args.min_free, args.max_util, args.format))
+    except AnydeviceError as e:
+        print(f"anydevice select: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text.rstrip("%"))
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage from 0 to 100")
+    return value
+
+
+def _size(text: str) -> int:
+    from anydevice.inventory import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- doctor
@@ -236,6 +388,8 @@ COMMANDS: dict[str, Command] = {
     "info": Command(
         "what devices this machine has (no CUDA context is created)", _info_args, _info
     ),
+    "top": Command("a live view of every GPU and the host (NVML; no CUDA)", _top_args, _top),
+    "select": Command("print CUDA_VISIBLE_DEVICES for the N freest GPUs", _select_args, _select),
     "doctor": Command("check this machine's set-up and say what to fix", _doctor_args, _doctor),
     "launch": Command(
         "run a script in one process per device, on one or several machines",

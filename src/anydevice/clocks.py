@@ -26,6 +26,7 @@ __all__ = [
     "device_of_arguments",
     "flush_bytes",
     "flusher",
+    "in_use",
     "resolve_device",
     "synchronize",
 ]
@@ -37,13 +38,15 @@ FALLBACK_FLUSH_BYTES = 256 * 2**20
 def synchronize(device: torch.device | None = None) -> None:
     """Wait until the work queued on ``device`` is done; nothing to wait for on the CPU.
 
-    ``None`` waits for every accelerator this process has started using. A CUDA or XPU
-    device the process has not used yet has nothing queued: no context is created to wait.
+    ``None`` waits for every accelerator this process has started using: on CUDA, every
+    GPU this process has a context on, not only the current one, so model-parallel and
+    ``DataParallel`` work is inside the wait. A CUDA or XPU device the process has not
+    used yet has nothing queued: no context is created to wait.
 
     >>> synchronize(torch.device("cpu"))
     """
     if device is None:
-        for d in _active_accelerators():
+        for d in in_use():
             synchronize(d)
         return
     if device.type in ("cpu", "meta"):
@@ -60,8 +63,29 @@ def synchronize(device: torch.device | None = None) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _active_accelerators() -> list[torch.device]:
-    """Accelerators this process already uses: initialised CUDA/XPU, or MPS when present."""
+def in_use() -> list[torch.device]:
+    """Every accelerator device this process may have queued work on.
+
+    CUDA: each GPU this process has a context on, torch's current device first, read from
+    the driver without creating one (work is queued only through a context). XPU: the
+    current device. MPS: the one device.
+    """
+    found = []
+    for d in _current_accelerators():
+        found += _cuda_in_use(d) if d.type == "cuda" else [d]
+    return found
+
+
+def _cuda_in_use(current: torch.device) -> list[torch.device]:
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private; only looks
+    if has_context is None:
+        return [current]
+    others = [i for i in range(torch.cuda.device_count()) if i != current.index]
+    return [torch.device("cuda", i) for i in (current.index, *others) if has_context(i)]
+
+
+def _current_accelerators() -> list[torch.device]:
+    """The current device of each accelerator this process has initialised (or MPS)."""
     found = []
     if torch.cuda.is_initialized():
         found.append(torch.device("cuda", torch.cuda.current_device()))
@@ -82,7 +106,7 @@ def active_device() -> torch.device:
     >>> active_device().type in ("cpu", "cuda", "mps", "xpu")
     True
     """
-    found = _active_accelerators()
+    found = _current_accelerators()
     return found[0] if found else torch.device("cpu")
 
 

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from anydevice.errors import DeviceSpecError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ACCELERATOR_KINDS",
@@ -28,6 +34,8 @@ __all__ = [
     "ProcessInfo",
     "format_bytes",
     "inventory",
+    "inventory_without_torch",
+    "parse_size",
 ]
 
 SCHEMA = "anydevice.inventory/1"
@@ -52,6 +60,47 @@ def format_bytes(n: float | None) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}  # fmt: skip
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from ``8 * 2**30``, ``"8GiB"``, ``"8G"`` (binary) or ``"8GB"`` (decimal).
+
+    >>> parse_size("8GiB") == parse_size("8G") == 8 * 2**30
+    True
+    >>> parse_size("1.5 GB")
+    1500000000
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"a memory size is a number of bytes or text such as '8GiB', not "
+            f"{type(value).__name__} ({value!r})"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DeviceSpecError(
+            f"a memory size must be a finite number of bytes, not {value!r}; write e.g. "
+            "'8GiB' or 8 * 2**30"
+        )
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise DeviceSpecError(f"a memory size cannot be negative (got {value!r})")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise DeviceSpecError(
+            f"cannot read {value!r} as a memory size; write e.g. '8GiB', '512MiB', '8GB' "
+            "or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -106,6 +155,8 @@ class DeviceInfo:
     @property
     def torch_device(self) -> torch.device:
         """This device as a :class:`torch.device`."""
+        import torch
+
         return torch.device(self.spec)
 
     @property
@@ -168,7 +219,7 @@ class HostInfo:
     cores_usable: int  #: what this process may use: affinity and cgroup quota
     memory_total: int
     memory_available: int
-    torch_threads: int  #: torch.get_num_threads()
+    torch_threads: int | None  #: torch.get_num_threads(); None when torch was not imported
     cpu_quota: float | None = None  #: cgroup CPU quota in cores; None when unlimited
     memory_limit: int | None = None  #: cgroup memory limit in bytes; None when unlimited
     cuda_runtime: str | None = None  #: torch.version.cuda
@@ -272,21 +323,68 @@ def inventory(*, telemetry: bool = True, kinds: Iterable[str] | None = None) -> 
     Returns:
         An :class:`Inventory`; ``notes`` says what could not be read and why.
     """
+    return _collect(telemetry, kinds, with_torch=True)
+
+
+def inventory_without_torch(
+    *, telemetry: bool = True, kinds: Iterable[str] | None = None
+) -> Inventory:
+    """:func:`inventory`, read without importing torch wherever the hardware allows.
+
+    NVML gives the NVIDIA GPUs, psutil and ``/proc`` the host, torch's own files its
+    version and build. torch is imported only for a kind that cannot be seen otherwise (MPS
+    on a Mac, an XPU build, torch_xla, CUDA without NVML); ``notes`` say which, and what
+    was not asked. This is what ``anydevice info`` shows in a fraction of a second.
+
+    >>> inventory_without_torch(telemetry=False).devices[-1].kind
+    'cpu'
+    """
+    return _collect(telemetry, kinds, with_torch=False)
+
+
+def _collect(telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool) -> Inventory:
     from anydevice import backends
 
     wanted = tuple(kinds) if kinds is not None else (*ACCELERATOR_KINDS, "cpu")
     host_fields: dict[str, Any] = {}
     devices: list[DeviceInfo] = []
     notes: list[str] = []
+    imported_for: list[str] = []
     for kind in (*ACCELERATOR_KINDS, "cpu"):
         backend = backends.get(kind)
         # The CPU backend always runs: it knows the host. The CUDA backend always runs too,
         # for the driver facts and to notice GPUs a CPU-only torch cannot use.
         if kind not in wanted and kind not in ("cpu", "cuda"):
             continue
-        probe = backend.probe(telemetry=telemetry and kind in wanted)
+        live = telemetry and kind in wanted
+        probe = None
+        if not with_torch:
+            before = "torch" in sys.modules
+            probe = backend.probe_without_torch(telemetry=live)
+            if probe is None:
+                imported_for.append(backend.label)
+            elif not before and "torch" in sys.modules:
+                imported_for.append(backend.label)  # the backend had to (torch_xla does)
+        if probe is None:
+            probe = backend.probe(telemetry=live)
         host_fields.update(probe.host)
         if kind in wanted:
             devices.extend(probe.devices)
         notes.extend(probe.notes)
+    if imported_for:
+        notes.append(f"torch was imported to look for {', '.join(imported_for)} devices.")
+    if not with_torch:
+        notes.extend(_unprobed_extensions())
     return Inventory(host=HostInfo(**host_fields), devices=tuple(devices), notes=tuple(notes))
+
+
+def _unprobed_extensions() -> list[str]:
+    from anydevice import torchbuild
+
+    names = torchbuild.device_extensions()
+    if not names or "torch" in sys.modules:
+        return []
+    return [
+        f"device extensions that load with torch ({', '.join(names)}) were not probed: "
+        "torch was not imported (anydevice info --torch)."
+    ]

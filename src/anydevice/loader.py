@@ -3,21 +3,31 @@
 How the CUDA path keeps copies and compute overlapped *and* ordered:
 
 1. A background thread takes batches from the source (so data loading with
-   ``num_workers=0`` overlaps the step too) and pins those that are not pinned yet —
-   pinning on the main thread is slower than a plain pageable copy, pinning off it is what
-   makes the copy asynchronous.
-2. Handing out batch k first issues batch k+1: on one side stream, created once per
-   loader, the side stream waits for the work queued so far on the consumer's stream, then
-   copies (``non_blocking``, from pinned memory), runs ``transform`` and records an event.
-   The copy engine runs it while the GPU computes batch k.
-3. The consumer's stream waits on batch k's event before batch k is returned, so no kernel
-   reads it early.
+   ``num_workers=0`` overlaps the step too) and pins, leaf by leaf, the dense CPU tensors
+   that are not pinned yet — pinning on the main thread is slower than a plain pageable
+   copy, pinning off it is what makes the copy asynchronous.
+2. Handing out batch k: the *consumer's stream* — the stream current when ``next()`` is
+   called — waits on the event recorded after batch k's copy, so no kernel reads it early.
+3. Then batch k+1 is issued on the copy stream (one per device for the whole process,
+   :func:`anydevice.streams.copy_stream`): it waits for the work queued so far on the
+   device's default stream, copies (``non_blocking``, from pinned memory), runs
+   ``transform`` and records an event. The copy engine runs it while the GPU computes
+   batch k — also when the host synchronises every step (``loss.item()``): the copy waits
+   only for compute k-1, which that synchronisation already finished.
 
-Memory needs no ``record_stream``: batch k+1 is allocated from the side stream's pool, and
-when the consumer frees it (after queuing its uses), the block can be reused only by a later
-allocation on the side stream — which always comes after step 2's wait for the consumer's
-stream, so after those uses. One stream per loader means one pool: reserved memory stays
-flat across epochs (a stream per epoch strands each epoch's cached blocks).
+Events are never re-recorded while still to be waited on: a batch's event pair is reused
+only once the consumer's wait on it was issued (a wait uses the event as recorded at the
+time of the call) and the copy it timed has finished (:class:`CopyTimes`). Re-recording it
+earlier made the consumer wait for the *next* copy, which waited for all earlier compute:
+no overlap.
+
+Memory: batch k+1 is allocated from the copy stream's pool. A block the consumer freed on
+the default stream is reused only by a later allocation on the copy stream, which always
+comes after step 3's wait for the default stream — so after the consumer's reads. A
+consumer on another stream ``s`` gets each tensor of its batch ``record_stream(s)``-ed
+at hand-out: the allocator then keeps the block until ``s`` is past the point where it
+was freed. One copy stream per device means one pool: reserved memory stays flat across
+epochs, also for a loader built anew every epoch.
 
 On other accelerators (MPS, XLA, XPU) the background thread still fetches ahead and the
 move is a plain ``anydevice.to``. On the CPU there is nothing to copy, so by default no
@@ -36,10 +46,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from anydevice.mismatch import walk
 from anydevice.placement import to
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as resolve_device
+from anydevice.streams import copy_stream
+from anydevice.transfer import CopyTimes, Slot, keep_for, nbytes_off, pin_leaves
 
 __all__ = ["DeviceLoader", "LoaderStats"]
 
@@ -122,15 +133,14 @@ class LoaderStats:
 class _Counters:
     """Mutable tallies of one pass; ``LoaderStats`` is their snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, times: CopyTimes | None = None) -> None:
         self.batches = 0
         self.bytes_moved = 0
         self.wait = 0.0
         self.start: float | None = None
         self.last = 0.0
-        self.copy = 0.0
         self.pinned: bool | None = None
-        self.timings: list[tuple[Any, Any]] = []  #: (start, end) CUDA events not yet read
+        self.times = times  #: CUDA copy timings, None elsewhere
 
 
 class DeviceLoader(Generic[T]):
@@ -138,9 +148,14 @@ class DeviceLoader(Generic[T]):
 
     ``len()``, re-iteration once per epoch and ``set_epoch`` work as on the source, and any
     other attribute is the source's (``loader.dataset``, ``loader.sampler``). On CUDA
-    the next batch is pinned off the main thread and copied on a side stream while the
+    the next batch is pinned off the main thread and copied on a copy stream while the
     current one computes (see the module docstring for why that is safe); elsewhere the
     next batch is fetched ahead and moved with :func:`anydevice.to`.
+
+    On CUDA a batch is ready for the stream that is current when the loop asks for it
+    (``with torch.cuda.stream(s): for batch in loader: ...`` works): read it on that
+    stream, or order any other stream after it and ``record_stream`` there, as for any
+    tensor made on one stream and used on another.
 
     >>> import torch, anydevice as ad
     >>> loader = ad.DeviceLoader([torch.zeros(2), torch.ones(2)], "cpu")
@@ -151,7 +166,7 @@ class DeviceLoader(Generic[T]):
         loader: a DataLoader or any iterable of batches (tensors, nested containers,
             dataclasses, objects with ``.to``).
         device: any device spec; resolved once, here.
-        transform: called on each batch after it reached the device (on the side stream on
+        transform: called on each batch after it reached the device (on the copy stream on
             CUDA), e.g. ``lambda b: (b[0].float() / 255, b[1])``: send uint8, get float.
         prefetch: fetch the next batch in a background thread. ``"auto"``: on
             accelerators, where the thread pins batches and overlaps their copy with
@@ -183,10 +198,10 @@ class DeviceLoader(Generic[T]):
             raise ValueError(f"prefetch must be True, False or 'auto', not {prefetch!r}")
         self.prefetch: bool = self.device.type != "cpu" if prefetch == "auto" else bool(prefetch)
         self.depth = depth
-        self._stream: Any = None  # the side stream, created on first CUDA pass
         self._counters = _Counters()
-        self._epoch = 0
-        self._epoch_set = False
+        self._epoch = 0  #: the epoch the next pass uses while the epoch is automatic
+        self._epoch_is_users = False  #: set by the user (here or on the sampler): never advanced
+        self._epoch_left: int | None = None  #: the sampler's epoch as this loader left it
         self._active: _Pass | None = None
 
     # ------------------------------------------------------------------ source-like API
@@ -201,37 +216,75 @@ class DeviceLoader(Generic[T]):
             ) from None
 
     def set_epoch(self, epoch: int) -> None:
-        """Pass ``epoch`` to the source's sampler (e.g. a DistributedSampler).
+        """Pass ``epoch`` to the source's sampler (e.g. a DistributedSampler), now.
 
-        Without a call, each new pass sets the next epoch number itself, so a
-        DistributedSampler reshuffles every epoch (it repeats one order otherwise).
+        The epoch is then yours, as with torch's sampler: every pass uses the epoch you set
+        last, here or with ``loader.sampler.set_epoch``. Where you never set one, each
+        complete pass advances it by one, so a DistributedSampler reshuffles every epoch
+        (it repeats one order otherwise); a pass you leave early (a ``break``, a peek with
+        ``next(iter(loader))``, an error) does not.
         """
+        self._epoch_is_users = True
         self._epoch = epoch
-        self._epoch_set = True
         self._set_sampler_epoch(epoch)
 
-    def _set_sampler_epoch(self, epoch: int) -> None:
+    def _epoch_targets(self) -> list[Any]:
+        """The source and its samplers that take ``set_epoch``, each once."""
         targets = [self.loader, getattr(self.loader, "sampler", None)]
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         targets += [batch_sampler, getattr(batch_sampler, "sampler", None)]
-        seen: set[int] = set()
+        out: list[Any] = []
         for t in targets:
-            fn = getattr(t, "set_epoch", None)
-            if t is not None and callable(fn) and id(t) not in seen and t is not self:
-                seen.add(id(t))
-                fn(epoch)
+            takes_epoch = t is not None and callable(getattr(t, "set_epoch", None))
+            if takes_epoch and t is not self and all(t is not seen for seen in out):
+                out.append(t)
+        return out
+
+    def _set_sampler_epoch(self, epoch: int) -> None:
+        for t in self._epoch_targets():
+            t.set_epoch(epoch)
+
+    def _sampler_epoch(self) -> int | None:
+        """The epoch the sampler holds now (torch's samplers keep it in ``.epoch``)."""
+        for t in self._epoch_targets():
+            epoch = getattr(t, "epoch", None)
+            if isinstance(epoch, int):
+                return epoch
+        return None
+
+    def _begin_epoch(self) -> None:
+        """Before a pass: keep the user's epoch, or set the automatic one."""
+        if self._epoch_is_users:
+            return
+        now = self._sampler_epoch()
+        left = self._epoch if self._epoch_left is None else self._epoch_left
+        if now is not None and now != left:
+            self._epoch_is_users = True  # loader.sampler.set_epoch(e) was called: theirs
+            return
+        self._set_sampler_epoch(self._epoch)
+        self._epoch_left = self._epoch
+
+    def _end_epoch(self) -> None:
+        """After a complete pass: advance the automatic epoch, on the sampler at once (so
+        that a later ``sampler.set_epoch`` to any other epoch is seen as the user's)."""
+        if self._epoch_is_users:
+            return
+        self._epoch += 1
+        self._set_sampler_epoch(self._epoch)
+        self._epoch_left = self._epoch
 
     @property
     def stats(self) -> LoaderStats:
         c = self._counters
-        _read_timings(c, block=True)
+        if c.times is not None:
+            c.times.collect(block=True)
         total = (c.last - c.start) if c.start is not None else 0.0
         return LoaderStats(
             batches=c.batches,
             bytes_moved=c.bytes_moved,
             wait_seconds=c.wait,
             total_seconds=total,
-            copy_seconds=c.copy if self.device.type == "cuda" else None,
+            copy_seconds=c.times.seconds if c.times is not None else None,
             device=str(self.device),
             num_workers=getattr(self.loader, "num_workers", None),
             pinned=c.pinned,
@@ -242,17 +295,15 @@ class DeviceLoader(Generic[T]):
     def __iter__(self) -> Iterator[Any]:
         if self._active is not None:
             self._active.close()  # a new pass ends the previous one
-        if not self._epoch_set:
-            self._set_sampler_epoch(self._epoch)
-        self._epoch_set = False
-        self._epoch += 1
-        self._counters = _Counters()
+        self._begin_epoch()
         run = _Pass(self)
+        self._counters = run.counters
         self._active = run
         try:
             while True:
                 batch = run.next()
                 if batch is _END:
+                    self._end_epoch()
                     return
                 yield batch
         finally:
@@ -308,7 +359,7 @@ class _Producer:
                     return
                 nbytes, pinned = 0, None
                 if self.pin_device is not None:
-                    batch, nbytes, pinned = _pin(batch)
+                    batch, nbytes, pinned = pin_leaves(batch, self.pin_device)
                 if not self._put((batch, None, nbytes, pinned)):
                     return
             self._put((_END, None, 0, None))
@@ -344,20 +395,27 @@ class _Pass:
     def __init__(self, owner: DeviceLoader[Any]) -> None:
         self.owner = owner
         self.device = owner.device
-        self.counters = owner._counters
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if self.cuda and self.device.index is None:  # compared with tensors' devices below
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.stream: Any = None
+        self.default: Any = None
+        times = None
+        if self.cuda:
+            # One copy stream per device for the whole process, never per loader or pass:
+            # each stream has its own allocator pool.
+            self.stream = copy_stream(self.device)
+            self.default = torch.cuda.default_stream(self.device)
+            times = CopyTimes(lambda: torch.cuda.Event(enable_timing=True))
+        self.counters = _Counters(times)
+        self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
+        self.done = False
+        self.error: BaseException | None = None  # raised by the source after batch k was issued
         self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
         self.producer: _Producer | None = None
         if owner.prefetch:
             pin = self.device if self.cuda else None
             self.producer = _Producer(self.source, pin, owner.depth)
-        self.ready: tuple[Any, Any] | None = None  # (batch on device, its event) issued ahead
-        self.done = False
-        self.events: list[tuple[Any, Any]] = []  # free (start, end) event pairs
-        self.error: BaseException | None = None  # raised by the source after batch k was issued
-        if self.cuda and owner._stream is None:
-            # One stream per loader, never per pass: each stream has its own allocator pool.
-            owner._stream = torch.cuda.Stream(self.device)
 
     # -- fetching on the host
 
@@ -378,7 +436,7 @@ class _Pass:
             except StopIteration:
                 return _END, 0, None
             if self.cuda:  # no pinning on the main thread: it costs more than it saves
-                return batch, _nbytes_off(batch, self.device), False
+                return batch, nbytes_off(batch, self.device), False
             return batch, 0, None
         finally:
             c.wait += time.perf_counter() - t0
@@ -396,31 +454,41 @@ class _Pass:
         c.bytes_moved += nbytes
         if pinned is not None:
             c.pinned = pinned if c.pinned is None else (c.pinned and pinned)
-        if not self.cuda:
+        if c.times is None:
             moved = to(batch, self.device)
             if self.owner.transform is not None:
                 moved = self.owner.transform(moved)
             if self.device.type != "cpu" and nbytes == 0:
-                c.bytes_moved += _nbytes_off(batch, self.device)
+                c.bytes_moved += nbytes_off(batch, self.device)
             self.ready = (moved, None)
             return
-        stream = self.owner._stream
-        start, end = self._event_pair()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            moved = to(batch, self.device, non_blocking=True)
-            if self.owner.transform is not None:
-                moved = self.owner.transform(moved)
-            end.record(stream)
-        c.timings.append((start, end))
-        self.ready = (moved, end)
+        stream = self.stream
+        slot = c.times.take()
+        # Memory the consumer freed on the default stream may be reused below: only after
+        # what is queued there now (its last reads). Nothing else is waited for.
+        stream.wait_stream(self.default)
+        try:
+            with torch.cuda.stream(stream):
+                slot.start.record(stream)
+                moved = to(batch, self.device, non_blocking=True)
+                if self.owner.transform is not None:
+                    moved = self.owner.transform(moved)
+                slot.end.record(stream)
+        except BaseException:
+            c.times.discard(slot)  # its events time nothing
+            raise
+        self.ready = (moved, slot)
 
-    def _event_pair(self) -> tuple[Any, Any]:
-        _read_timings(self.counters, block=False, free=self.events)
-        if self.events:
-            return self.events.pop()
-        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    def _hand_out(self, batch: Any, slot: Slot) -> None:
+        """Order the consumer's stream (the current one) after the batch's copy, keep its
+        memory for that stream, and release the event pair for reuse."""
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(slot.end)
+        if consumer != self.default:
+            keep_for(batch, consumer, self.device)
+        times = self.counters.times
+        if times is not None:
+            times.handed_out(slot)
 
     def next(self) -> Any:
         if self.error is not None:
@@ -432,14 +500,14 @@ class _Pass:
         if self.ready is None:
             self.counters.last = time.perf_counter()
             return _END
-        batch, event = self.ready
+        batch, slot = self.ready
         self.ready = None
+        if slot is not None:
+            self._hand_out(batch, slot)  # before batch k+1 is issued: see the module docstring
         try:
-            self._issue()  # batch k+1 starts moving before batch k is handed out
+            self._issue()  # batch k+1 starts moving while batch k computes
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
         c = self.counters
         c.batches += 1
         c.last = time.perf_counter()
@@ -452,41 +520,3 @@ class _Pass:
         self.source = iter(())  # release the source iterator (a DataLoader's stops its workers)
         self.ready = None
         self.done = True
-
-
-def _read_timings(c: _Counters, *, block: bool, free: list[tuple[Any, Any]] | None = None) -> None:
-    """Add finished copies' device time to ``c.copy``; recycle their events into ``free``."""
-    pending = []
-    for start, end in c.timings:
-        if block:
-            end.synchronize()
-        if block or end.query():
-            c.copy += start.elapsed_time(end) / 1000.0
-            if free is not None:
-                free.append((start, end))
-        else:
-            pending.append((start, end))
-    c.timings = pending
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    return (t for _, t in walk(obj))
-
-
-def _pin(batch: Any) -> tuple[Any, int, bool]:
-    """Pin the CPU tensors of ``batch`` that are not pinned; count their bytes.
-
-    Pinning follows the DataLoader's own rules (tensors, mappings, sequences, named
-    tuples, objects with a ``pin_memory()`` method); tensors inside other objects (a
-    dataclass) are copied from pageable memory, which is correct, only not asynchronous.
-    """
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    tensors = [t for t in _tensors(batch) if t.device.type == "cpu"]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    already = all(t.is_pinned() for t in tensors)
-    return (batch if already else pin_memory(batch)), nbytes, already
-
-
-def _nbytes_off(batch: Any, device: torch.device) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(batch) if t.device != device)

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import inspect
 import types
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -27,7 +27,7 @@ from anydevice.errors import MoveError
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as _select_device
 
-__all__ = ["ATOMIC", "NonBlocking", "target_device", "to"]
+__all__ = ["ATOMIC", "MAX_DEPTH", "NonBlocking", "target_device", "to"]
 
 T = TypeVar("T")
 
@@ -40,11 +40,15 @@ ATOMIC: frozenset[type] = frozenset(
     {str, bytes, bytearray, int, float, complex, bool, type(None), torch.device, torch.dtype,
      torch.Size, range, slice, type(Ellipsis)}
 )  # fmt: skip
+#: Containers nested deeper than this are refused with a MoveError: well inside Python's
+#: default recursion limit (1000 frames, about three per level), and far deeper than a batch.
+MAX_DEPTH = 200
 # Targets a copy can be asynchronous to: the host returns before the copy ends.
 _ASYNC_TARGETS = frozenset({"cuda", "xpu"})
 _NO_INDEX = frozenset({"cpu", "meta"})
 _EMPTY: frozenset[Any] = frozenset()
 _NONE = object()
+_TOO_DEEP = -1  #: _Failure.target for a structure nested deeper than MAX_DEPTH
 
 
 # ----------------------------------------------------------------------------- the device
@@ -110,20 +114,28 @@ def to(
       returns ``None`` moved the object in place, and the object is returned;
     * containers, rebuilt with the same type: ``dict``, ``OrderedDict``, ``defaultdict``
       (same ``default_factory``), ``UserDict`` and other mappings, ``list``, ``tuple``,
-      named tuples, sets, and dataclasses (frozen and slotted ones too; rebuilt without
-      running ``__init__`` or ``__post_init__``, so ``init=False`` fields are kept).
+      named tuples, ``deque`` (same ``maxlen``), ``UserList``, sets, and dataclasses (frozen
+      and slotted ones too; rebuilt without running ``__init__`` or ``__post_init__``, so
+      ``init=False`` fields are kept). Tuple subclasses and named tuples are rebuilt
+      without calling their ``__new__`` (as ``_make`` does), and keep their extra
+      attributes, whose tensors move too.
 
     Everything else is returned untouched: ``str``, ``bytes``, numbers, ``None``, numpy
     arrays, other objects. The caller's containers are never changed. A tensor that
     appears twice in ``obj`` is copied once, so the result shares it the same way.
 
-    ``non_blocking="auto"`` makes a copy asynchronous where that is safe: host to CUDA/XPU
-    from pinned memory, and between accelerators. Copies to the CPU stay blocking, since a
+    ``non_blocking="auto"`` makes a copy asynchronous only where nobody can tell: between
+    accelerators (the copy is ordered on the devices' streams). Copies from the host stay
+    blocking, pinned source or not, as ``Tensor.to`` does: an asynchronous copy from a
+    pinned buffer reads it after ``to`` has returned, so writing the next batch into that
+    buffer would change what the device receives. Copies to the CPU stay blocking, since a
     non-blocking device-to-host copy holds garbage until the stream is synchronised; MPS
-    targets stay blocking (pytorch#83015). With ``non_blocking=True`` every copy is
+    targets stay blocking (pytorch#83015). :class:`~anydevice.DeviceLoader` owns its pinned
+    buffers and copies asynchronously. With ``non_blocking=True`` every copy is
     asynchronous: after a copy to the CPU, call ``torch.accelerator.synchronize()`` (or
     synchronise the stream) before reading the result; after one from pinned memory, do
-    not write into the source until the copy is done.
+    not write into the source until the copy is done (record an event after ``to`` and
+    wait on it before refilling).
 
     In a hot loop, resolve the device once (``dev = ad.device()``) and pass the
     ``torch.device``: a spec string is checked against the machine on every call.
@@ -141,7 +153,8 @@ def to(
     Raises:
         MoveError: a custom ``.to`` raised (the original is the ``__cause__`` and the
             message names the path, as in ``obj['inputs'][2]``), the structure contains
-            itself, or an optimizer's parameters are not on ``device``.
+            itself or is nested deeper than :data:`MAX_DEPTH`, a container cannot be
+            rebuilt, or an optimizer's parameters are not on ``device``.
         DeviceNotFoundError, DeviceSpecError: ``device`` names no device here.
 
     Errors from ``Tensor.to`` itself (``torch.OutOfMemoryError``, ...) keep their type;
@@ -179,8 +192,10 @@ def to(
 def _auto_non_blocking(src: torch.device, t: Tensor, target_type: str) -> bool:
     if target_type not in _ASYNC_TARGETS:
         return False  # to the CPU (garbage until synchronised), MPS, XLA, meta: blocking
-    if src.type == "cpu":
-        return bool(t.is_pinned())
+    # From the host: blocking, pinned or not. The caller owns the source; an asynchronous
+    # copy from a pinned buffer would read it after to() returned, so refilling the buffer
+    # (the usual staging pattern) would change what the device gets. DeviceLoader owns its
+    # buffers and copies asynchronously itself.
     return src.type in _ASYNC_TARGETS
 
 
@@ -215,8 +230,17 @@ def _path_of(e: BaseException) -> tuple[str, int | None]:
 
 def _move_error(e: _Failure, dev: torch.device) -> MoveError:
     path, target_depth = _path_of(e)
+    if e.target == _TOO_DEEP:
+        parts = list(reversed(getattr(e, "_anydevice_path", [])))
+        shown = "obj" + "".join(parts[:4]) + "..." + "".join(parts[-4:])
+        return MoveError(
+            f"to(): {shown} is nested more than {MAX_DEPTH} containers deep, deeper than "
+            "to() follows (Python's recursion limit would end it). Flatten the structure, "
+            "or move the deep part in pieces.",
+            path=path,
+        )
     if e.target is not None:
-        parts: list[str] = list(reversed(getattr(e, "_anydevice_path", [])))
+        parts = list(reversed(getattr(e, "_anydevice_path", [])))
         inside = len(parts) if target_depth is None else target_depth + 1  # + its own key
         back_to = "obj" + "".join(parts[: len(parts) - inside])
         return MoveError(
@@ -271,9 +295,12 @@ class _Mover:
 
     def enter(self, obj: object) -> None:
         key = id(obj)
-        if key in self.active:
+        active = self.active
+        if key in active:
             raise _Failure("cycle", target=key)
-        self.active.add(key)
+        if len(active) >= MAX_DEPTH:
+            raise _Failure("too deep", target=_TOO_DEEP)
+        active.add(key)
 
     def dict(self, obj: dict[Any, Any]) -> dict[Any, Any]:
         self.enter(obj)
@@ -292,7 +319,7 @@ class _Mover:
         self.active.discard(id(obj))
         return out
 
-    def list(self, obj: list[Any] | tuple[Any, ...]) -> list[Any]:
+    def list(self, obj: Iterable[Any]) -> list[Any]:
         self.enter(obj)
         dev = self.dev
         out = []
@@ -328,11 +355,20 @@ class _Mover:
         if isinstance(obj, tuple):
             if hasattr(t, "_fields"):  # a named tuple
                 return self.named_tuple(obj, t)
-            return t(self.list(obj))
+            return self.tuple_subclass(obj, t, self.list(obj))
         if isinstance(obj, list):
             new = copy.copy(obj)  # keeps the subclass and its attributes
             new[:] = self.list(obj)
             return new
+        if isinstance(obj, collections.deque):
+            queue = copy.copy(obj)  # keeps maxlen, the subclass and its attributes
+            queue.clear()
+            queue.extend(self.list(obj))
+            return queue
+        if isinstance(obj, collections.UserList):
+            user = copy.copy(obj)
+            user.data = self.list(obj.data)
+            return user
         if isinstance(obj, (set, frozenset)):
             self.enter(obj)
             out = t(self.move(v) for v in obj)
@@ -396,7 +432,7 @@ class _Mover:
     def named_tuple(self, obj: tuple[Any, ...], t: type) -> Any:
         skip = self.skip
         if not skip:
-            return t(*self.list(obj))
+            return self.tuple_subclass(obj, t, self.list(obj))
         self.enter(obj)
         items = list(obj)
         for i, name in enumerate(t._fields):  # type: ignore[attr-defined]
@@ -407,7 +443,38 @@ class _Mover:
                     _add_path(e, f".{name}", obj)
                     raise
         self.active.discard(id(obj))
-        return t(*items)
+        return self.tuple_subclass(obj, t, items)
+
+    def tuple_subclass(self, obj: tuple[Any, ...], t: type, items: Sequence[Any]) -> Any:
+        """``items`` in a ``t`` (see :func:`_new_tuple`), with ``obj``'s extra attributes,
+        whose tensors are moved too."""
+        if not _has_dict(t):  # the commonest case: a plain named tuple
+            return _new_tuple(t, items)
+        state = list(getattr(obj, "__dict__", {}).items())
+        if not state:
+            return _new_tuple(t, items)
+        self.enter(obj)
+        skip = self.skip
+        name = ""
+        try:
+            for i, (name, v) in enumerate(state):
+                if not (skip and name in skip):
+                    state[i] = (name, self.move(v))
+        except Exception as e:
+            _add_path(e, f".{name}", obj)
+            raise
+        self.active.discard(id(obj))
+        out = _new_tuple(t, items)
+        try:
+            for name, v in state:
+                object.__setattr__(out, name, v)
+        except (AttributeError, TypeError) as e:
+            raise _Failure(
+                f"to(): cannot rebuild the {t.__qualname__} at {_PATH}: setting its attribute "
+                f"{name!r} failed ({type(e).__name__}: {e}). Give the class a .to(device) "
+                "method."
+            ) from e
+        return out
 
     def dataclass(self, obj: Any, t: type) -> Any:
         plan = _dataclass_plan(t)
@@ -496,6 +563,33 @@ def _dataclass_plan(cls: type) -> _Plan:
     # mypy sees two unrelated callables; at run time a plain class inherits object's.
     plain = not custom and not slotted and cls.__new__ is object.__new__  # type: ignore[comparison-overlap]
     return _Plan(names, plain)
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+def _new_tuple(t: type, items: Sequence[Any]) -> Any:
+    """A ``t`` holding ``items``, built with ``tuple.__new__`` as ``namedtuple._make`` does,
+    so a ``__new__`` with its own signature is not called; a class defined in C
+    (``torch.return_types.max``) refuses that and is called with the items instead."""
+    if t.__flags__ & _HEAP_TYPE:
+        return tuple.__new__(t, items)
+    try:
+        return t(items)
+    except Exception as e:
+        raise _Failure(
+            f"to(): cannot rebuild the {t.__module__}.{t.__qualname__} at {_PATH}: "
+            f"{t.__qualname__}(items) raised {type(e).__name__}: {e}. Give the class a "
+            ".to(device) method, or pass its key in skip_keys."
+        ) from e
+
+
+@functools.lru_cache(maxsize=512)
+def _has_dict(cls: type) -> bool:
+    """Whether instances of a tuple subclass carry a ``__dict__`` (no ``__slots__ = ()``).
+
+    Tuple subclasses cannot have other slots, so that is where extra attributes live."""
+    return any("__dict__" in vars(k) for k in cls.__mro__)
 
 
 @functools.lru_cache(maxsize=512)

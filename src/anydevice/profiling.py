@@ -422,8 +422,14 @@ class nvtx_range(contextlib.ContextDecorator):
     """An NVTX range for Nsight Systems, as a context manager or a decorator.
 
     Shows ``name`` on the timeline of ``nsys profile`` around the block (host-side: when
-    the CPU issued the work). Without CUDA it does nothing, so it can stay in code that
-    also runs on other devices.
+    the CPU issued the work). Where torch has no NVTX (a CPU-only build) it does nothing,
+    so it can stay in code that also runs on other devices.
+
+    Applying it never asks whether CUDA is available: that question runs ``cuInit``,
+    after which ``ad.restrict_visible`` is refused and ``fork`` is unsafe, and a decorator
+    is applied at import time. NVTX needs no GPU and no CUDA context (without a profiler
+    attached a range costs a function call), so whether torch was built with it is all
+    there is to decide, and that costs nothing.
 
     >>> @nvtx_range("forward")
     ... def forward(x):
@@ -438,7 +444,7 @@ class nvtx_range(contextlib.ContextDecorator):
         from anydevice.backends.cuda import cuda_built
 
         self.name = name
-        self.active = cuda_built() and torch.cuda.is_available()
+        self.active = cuda_built() and hasattr(torch._C, "_nvtx")  #: NVTX is in this torch
 
     def __enter__(self) -> nvtx_range:
         if self.active:
@@ -450,4 +456,6 @@ class nvtx_range(contextlib.ContextDecorator):
             torch.cuda.nvtx.range_pop()
 
     def __repr__(self) -> str:
-        return f"nvtx_range({self.name!r}{'' if self.active else ', inactive: no CUDA'})"
+        return (
+            f"nvtx_range({self.name!r}{'' if self.active else ', inactive: no NVTX in this torch'})"
+        )

@@ -8,6 +8,8 @@ Grammar (case-insensitive)::
   launcher (``LOCAL_RANK`` set) it is this rank's GPU. ``ANYDEVICE_DEVICE=<spec>`` overrides it.
 * ``gpu[:i]`` / an int: the i-th GPU of whatever kind this machine has (CUDA, XPU or MPS).
 * ``cuda:i`` uses CUDA's index, the one torch uses, which is not always nvidia-smi's.
+  Without an index, ``cuda``, ``gpu`` and ``auto`` name torch's current device once CUDA
+  is initialised (as ``x.to("cuda")`` does), the first device before that.
 * ``free``: the GPU with the most free memory (ties: lower utilisation, then lower index),
   read from NVML without creating a CUDA context.
 
@@ -27,12 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from anydevice.choice import free_key as _free_key
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
 from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, Inventory, format_bytes, inventory
+from anydevice.inventory import parse_size as parse_size  # its home moved; same public name
 
 __all__ = [
     "DeviceLike",
     "Spec",
+    "current_indices",
     "describe",
     "device",
     "devices",
@@ -44,7 +49,6 @@ __all__ = [
     "try_all_gpus",
     "try_gpu",
     "try_gpu_in",
-    "visible_value",
 ]
 
 logger = logging.getLogger("anydevice")
@@ -56,13 +60,6 @@ _KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
 _ALIASES = {"tpu": "xla"}
 _GPU_KINDS = ("cuda", "xpu", "mps")
 _INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,30 +73,6 @@ class Spec:
 
     def __str__(self) -> str:
         return self.text or (self.kind if self.index is None else f"{self.kind}:{self.index}")
-
-
-def parse_size(value: int | float | str) -> int:
-    """Bytes from ``8 * 2**30``, ``"8GiB"``, ``"8G"`` (binary) or ``"8GB"`` (decimal).
-
-    >>> parse_size("8GiB") == parse_size("8G") == 8 * 2**30
-    True
-    >>> parse_size("1.5 GB")
-    1500000000
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"a memory size cannot be a bool (got {value!r})")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"a memory size cannot be negative (got {value!r})")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"cannot read {value!r} as a memory size; write e.g. '8GiB', '512MiB', '8GB' "
-            "or a number of bytes"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
@@ -118,7 +91,8 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
         return Spec(_check_kind(spec.type, str(spec), source), spec.index, str(spec), source)
     if isinstance(spec, bool) or not isinstance(spec, (int, str)):
         raise TypeError(
-            f"a device spec is a str, int or torch.device, not {type(spec).__name__} ({spec!r})"
+            f"a device spec is a str, int or torch.device, not {type(spec).__name__} "
+            f"({spec!r}). Pass e.g. 'auto', 'cpu', 'cuda:0' or 1."
         )
     if isinstance(spec, int):
         if spec < 0:
@@ -174,8 +148,20 @@ def select(
     *,
     need_memory: int | None = None,
     environ: Mapping[str, str] | None = None,
+    current: Mapping[str, int] | None = None,
 ) -> DeviceInfo:
     """The one device ``spec`` names in ``inv`` (pure: reads nothing else but ``environ``).
+
+    A spec without an index (``"cuda"``, ``"gpu"``, ``"auto"`` outside a launcher) names the
+    *current* device of its kind, as ``x.to("cuda")`` does, when ``current`` gives one
+    (``{"cuda": 1}`` after ``torch.cuda.set_device(1)``); otherwise the first one.
+
+    >>> here = inventory(telemetry=False, kinds=("cpu",))
+    >>> gpus = tuple(DeviceInfo(kind="cuda", index=i, name="GPU") for i in range(2))
+    >>> inv = Inventory(here.host, (*gpus, here.cpu))
+    >>> cuda = parse_spec("cuda")
+    >>> select(cuda, inv).spec, select(cuda, inv, current={"cuda": 1}).spec
+    ('cuda:0', 'cuda:1')
 
     Raises:
         DeviceNotFoundError: no such device here, or none with ``need_memory`` free.
@@ -187,7 +173,7 @@ def select(
     if kind == "cpu":
         return _check_memory(inv.cpu, need_memory, inv, spec)
     if kind == "auto":
-        return _auto(inv, need_memory, env, spec)
+        return _auto(inv, need_memory, env, spec, current or {})
     if kind == "free":
         return _freest(inv, need_memory, spec)
     target = _gpu_kind(inv) if kind == "gpu" else kind
@@ -195,9 +181,10 @@ def select(
     if not candidates:
         raise DeviceNotFoundError(_missing_kind_message(spec, inv))
     if spec.index is None:
+        ordered = _current_first(candidates, (current or {}).get(candidates[0].kind))
         if need_memory is None:
-            return candidates[0]
-        return _first_fitting(candidates, need_memory, inv, spec)
+            return ordered[0]
+        return _first_fitting(ordered, need_memory, inv, spec)
     if spec.index >= len(candidates):
         raise DeviceNotFoundError(_index_message(spec, candidates, inv, env))
     return _check_memory(candidates[spec.index], need_memory, inv, spec)
@@ -237,13 +224,27 @@ def _gpus(inv: Inventory) -> tuple[DeviceInfo, ...]:
     return inv.of_kind(kind) if kind else ()
 
 
-def _auto(inv: Inventory, need: int | None, env: Mapping[str, str], spec: Spec) -> DeviceInfo:
+def _current_first(candidates: Sequence[DeviceInfo], current: int | None) -> Sequence[DeviceInfo]:
+    """``candidates`` with the current device (by its ``cuda:N`` index) moved to the front."""
+    if current is None:
+        return candidates
+    here = [d for d in candidates if d.index == current]
+    return [*here, *(d for d in candidates if d.index != current)] if here else candidates
+
+
+def _auto(
+    inv: Inventory,
+    need: int | None,
+    env: Mapping[str, str],
+    spec: Spec,
+    current: Mapping[str, int],
+) -> DeviceInfo:
     for kind in ACCELERATOR_KINDS:
         found = inv.of_kind(kind)
         if not found:
             continue
         if need is not None:
-            return _first_fitting(found, need, inv, spec)
+            return _first_fitting(_current_first(found, current.get(kind)), need, inv, spec)
         local_rank = env.get("LOCAL_RANK", "").strip()
         if local_rank.isdigit():
             rank = int(local_rank)
@@ -258,14 +259,8 @@ def _auto(inv: Inventory, need: int | None, env: Mapping[str, str], spec: Spec) 
                     found[rank % len(found)].spec,
                 )
             return found[rank % len(found)]
-        return found[0]
+        return _current_first(found, current.get(kind))[0]
     return _check_memory(inv.cpu, need, inv, spec)
-
-
-def _free_key(d: DeviceInfo) -> tuple[float, float, int]:
-    free = d.memory_free if d.memory_free is not None else -1
-    util = d.utilization if d.utilization is not None else 0.0
-    return (-free, util, d.index or 0)
 
 
 def _freest(inv: Inventory, need: int | None, spec: Spec) -> DeviceInfo:
@@ -379,6 +374,25 @@ def _resolve_auto(spec: DeviceLike) -> Spec:
     return parsed
 
 
+def current_indices() -> dict[str, int]:
+    """The current device of each kind whose torch runtime is initialised in this process.
+
+    Before initialisation there is none: asking ``torch.cuda.current_device()`` then would
+    initialise CUDA (and later create a context), which looking at devices must never do;
+    and until then no ``set_device`` can have run, so the first device is the current one.
+
+    >>> "cuda" in current_indices() or not torch.cuda.is_initialized()
+    True
+    """
+    found: dict[str, int] = {}
+    for kind in ("cuda", "xpu"):
+        module = getattr(torch, kind, None)
+        is_initialized = getattr(module, "is_initialized", None)
+        if module is not None and is_initialized is not None and is_initialized():
+            found[kind] = int(module.current_device())
+    return found
+
+
 def _inventory_for(spec: Spec, *, telemetry: bool = False) -> Inventory:
     kinds = ACCELERATOR_KINDS if spec.kind in ("auto", "gpu", "free") else (spec.kind,)
     return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"))
@@ -406,7 +420,8 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
     need = None if need_memory is None else parse_size(need_memory)
     if need is None and parsed.kind in ("cpu", "meta"):
         return torch.device(parsed.kind)  # nothing to look up
-    return select(parsed, _inventory_for(parsed), need_memory=need).torch_device
+    inv = _inventory_for(parsed)
+    return select(parsed, inv, need_memory=need, current=current_indices()).torch_device
 
 
 def describe(spec: DeviceLike = "auto", *, telemetry: bool = True) -> DeviceInfo:
@@ -421,7 +436,8 @@ def describe(spec: DeviceLike = "auto", *, telemetry: bool = True) -> DeviceInfo
             quicker (no sampling) and is what policies that need only the hardware use.
     """
     parsed = _resolve_auto(spec)
-    return select(parsed, _inventory_for(parsed, telemetry=telemetry))
+    inv = _inventory_for(parsed, telemetry=telemetry)
+    return select(parsed, inv, current=current_indices())
 
 
 def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.device]:
@@ -447,8 +463,7 @@ def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.devi
     if isinstance(spec, (list, tuple)):
         found = [device(s) for s in spec]
         return list(dict.fromkeys(found))
-    assert isinstance(spec, (str, int, torch.device))
-    parsed = _resolve_auto(spec)
+    parsed = _resolve_auto(spec)  # type: ignore[arg-type]  # None and other non-specs: TypeError
     if parsed.kind in ("cpu", "meta"):
         return [torch.device(parsed.kind)]
     return [d.torch_device for d in select_all(parsed, _inventory_for(parsed))]
@@ -460,6 +475,11 @@ def try_gpu(i: int = 0) -> torch.device:
     >>> try_gpu(10_000)
     device(type='cpu')
     """
+    if isinstance(i, bool) or not isinstance(i, int):
+        raise TypeError(
+            f"try_gpu({i!r}): the GPU index is an int, not {type(i).__name__}. Use try_gpu(1), "
+            "or ad.device('gpu:1') for a spec."
+        )
     if i < 0:
         raise DeviceSpecError(f"try_gpu({i}): GPU indices start at 0.")
     return try_gpu_in(inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu")), i).torch_device
@@ -531,8 +551,9 @@ def restrict_visible(visible: str | int | DeviceInfo | Sequence[int | str | Devi
         DeviceNotFoundError: an index or UUID that is not visible now.
     """
     from anydevice.backends import cuda
+    from anydevice.visibility import visible_items, visible_value
 
-    wanted = _visible_items(visible)
+    wanted = visible_items(visible)
     current = os.environ.get("CUDA_VISIBLE_DEVICES")
     if cuda.driver_initialized():
         raise VisibilityError(
@@ -546,65 +567,3 @@ def restrict_visible(visible: str | int | DeviceInfo | Sequence[int | str | Devi
     os.environ["CUDA_VISIBLE_DEVICES"] = value
     logger.info("CUDA_VISIBLE_DEVICES=%s", value)
     return value
-
-
-def _visible_items(visible: object) -> list[int | str]:
-    if isinstance(visible, DeviceInfo):
-        visible = [visible]
-    if isinstance(visible, (int, str)) and not isinstance(visible, bool):
-        visible = [s.strip() for s in str(visible).split(",") if s.strip()]
-    if not isinstance(visible, (list, tuple)) or not visible:
-        raise DeviceSpecError(f"restrict_visible needs GPU indices or UUIDs, got {visible!r}.")
-    items: list[int | str] = []
-    for v in visible:
-        if isinstance(v, DeviceInfo):
-            v = v.uuid if v.uuid else v.index if v.index is not None else v.spec
-        if isinstance(v, str) and v.strip().isdigit():
-            v = int(v)
-        elif isinstance(v, str) and v.lower().startswith("cuda:"):
-            v = int(parse_spec(v).index or 0)
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise DeviceSpecError(f"restrict_visible: {v!r} is not a GPU index or UUID.")
-        items.append(v)
-    return items
-
-
-def visible_value(
-    wanted: Sequence[int | str], visible: Sequence[DeviceInfo], current: str | None
-) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` value that shows exactly ``wanted`` (pure).
-
-    Indices refer to ``visible`` (today's ``cuda:N``). With UUIDs known the value is made of
-    UUIDs; without them, of today's entries of ``current``.
-    """
-    if not visible:
-        raise DeviceNotFoundError(
-            f"restrict_visible({list(wanted)!r}): no CUDA device is visible to restrict to "
-            f"(CUDA_VISIBLE_DEVICES={current!r})."
-        )
-    chosen: list[DeviceInfo] = []
-    for w in wanted:
-        if isinstance(w, int):
-            if not 0 <= w < len(visible):
-                raise DeviceNotFoundError(
-                    f"restrict_visible: cuda:{w} is not visible; {len(visible)} CUDA device(s) "
-                    f"are (cuda:0..cuda:{len(visible) - 1}, CUDA_VISIBLE_DEVICES={current!r})."
-                )
-            chosen.append(visible[w])
-        else:
-            matches = [d for d in visible if d.uuid and d.uuid.lower().startswith(w.lower())]
-            if len(matches) != 1:
-                what = "matches no" if not matches else "matches more than one"
-                raise DeviceNotFoundError(
-                    f"restrict_visible: {w!r} {what} visible GPU UUID; visible: "
-                    f"{', '.join(f'{d.spec} {d.uuid}' for d in visible)}."
-                )
-            chosen.append(matches[0])
-    if len({d.index for d in chosen}) != len(chosen):
-        raise DeviceSpecError(
-            f"restrict_visible: {list(wanted)!r} names a GPU twice; CUDA would then show none."
-        )
-    if all(d.uuid for d in chosen):
-        return ",".join(str(d.uuid) for d in chosen)
-    entries = [e.strip() for e in current.split(",")] if current else None
-    return ",".join(entries[d.index or 0] if entries else str(d.index) for d in chosen)

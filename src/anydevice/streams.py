@@ -15,35 +15,106 @@ stream wait for the side stream on exit::
     C = B * 2                 # sees B's value
 
 Why this is also safe for memory: a tensor made inside the block is allocated from the side
-stream's pool. When it is freed later, after uses queued on the current stream, its block
-may be handed out again only to an allocation on the same side stream — and every use of
-the side stream through ``side_stream()`` starts by waiting for the current stream, so it
-waits for those uses too. No ``record_stream`` is needed (and none is made; its delayed,
-polled frees have grown memory in other libraries).
+stream's pool. When it is freed later, after uses queued on the stream the block was
+entered from, its block may be handed out again only to an allocation on the same side
+stream — and every use of the side stream through ``side_stream()`` starts by waiting for
+the current stream *and every stream it was entered from before*, so it waits for those
+uses too, whichever stream they were on. No ``record_stream`` is needed (and none is made;
+its delayed, polled frees have grown memory in other libraries).
 
 Streams are created once per device and reused: ``torch.cuda.Stream()`` hands out one of
 32 pooled streams round-robin, and each stream keeps its own allocator pool, so a new
-stream per call (or per epoch) strands cached memory.
+stream per call (or per epoch) strands cached memory. The cache is process-wide, per
+device and role (``side_stream()``'s, and the copy stream every ``DeviceLoader`` on a
+device shares), filled lazily, and emptied in a child made by ``fork``: the parent's
+streams are not the child's, and a lock held by another thread at the fork is replaced.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from anydevice.selection import DeviceLike
 
-__all__ = ["side_stream", "stream_for"]
+__all__ = ["copy_stream", "side_stream", "stream_for"]
 
-# One side stream per (device index, priority). Streams are a process resource that torch
-# itself pools; keeping ours means every side_stream() on a device shares one allocator
-# pool and one ordering.
-_STREAMS: dict[tuple[int, int], Any] = {}
-_LOCK = threading.Lock()
+#: What a cached stream is for: ``side_stream()``'s, or the loaders' copies.
+Role = Literal["side", "copy"]
+
+
+class StreamCache:
+    """Objects made once per key and reused by this process, forgotten in a forked child.
+
+    ``make(index, priority)`` creates the stream for a key the first time it is asked for.
+    Tested with plain objects on the CPU: the logic needs no GPU.
+    """
+
+    def __init__(self, make: Callable[[int, int], Any]) -> None:
+        self._make = make
+        self._items: dict[tuple[int, int, Role], Any] = {}
+        self._lock = threading.Lock()
+        self._watching_fork = False
+
+    def get(self, index: int, priority: int = 0, role: Role = "side") -> Any:
+        """The object for ``(index, priority, role)``, made on first use."""
+        key = (index, priority, role)
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                item = self._make(index, priority)
+                self._items[key] = item
+                if not self._watching_fork:
+                    # Registered on first use, not at import; the handler runs in the child
+                    # right after fork, while it has one thread.
+                    os.register_at_fork(after_in_child=self._forget)
+                    self._watching_fork = True
+        return item
+
+    def _forget(self) -> None:
+        self._items = {}
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class _Side:
+    """A side stream and the streams ``side_stream()`` was entered from on it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.homes: list[Any] = []  #: few: one per stream that ever entered it
+        self.lock = threading.Lock()
+
+    def enter_from(self, current: Any) -> None:
+        """Order the side stream after ``current`` and after every earlier home."""
+        with self.lock:
+            if all(current != h for h in self.homes):
+                self.homes.append(current)
+            homes = list(self.homes)
+        for home in homes:
+            self.stream.wait_stream(home)
+
+
+def _new_stream(index: int, priority: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=index, priority=priority)
+
+
+def _new_side(index: int, priority: int) -> _Side:
+    return _Side(_new_stream(index, priority))
+
+
+# One stream per (device index, priority, role), for the whole process: streams are a
+# process resource that torch itself pools, and reusing ours keeps one allocator pool
+# and one ordering per role.
+_STREAMS = StreamCache(_new_stream)
+_SIDES = StreamCache(_new_side)
 
 
 def _cuda_device(device: DeviceLike | None) -> torch.device | None:
@@ -60,15 +131,23 @@ def _cuda_device(device: DeviceLike | None) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stream_for(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
-    """The side stream anydevice uses on a CUDA ``device`` (created once, then reused)."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
-    with _LOCK:
-        stream = _STREAMS.get(key)
-        if stream is None:
-            stream = torch.cuda.Stream(device=key[0], priority=priority)
-            _STREAMS[key] = stream
-    return stream
+    """The side stream :func:`side_stream` uses on a CUDA ``device`` (created once, then reused)."""
+    return _SIDES.get(_index(device), priority, "side").stream  # type: ignore[no-any-return]
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every :class:`~anydevice.DeviceLoader` on a CUDA ``device`` copies on.
+
+    One per device for the whole process, apart from :func:`side_stream`'s, so that copies
+    never queue behind work a user put on a side stream, and a loader built per epoch
+    reuses the blocks the previous one freed (one allocator pool, not one per epoch).
+    """
+    return _STREAMS.get(_index(device), 0, "copy")  # type: ignore[no-any-return]
 
 
 @contextmanager
@@ -78,9 +157,10 @@ def side_stream(
     """Run a block on a side stream, ordered with the current stream both ways.
 
     On entry the side stream waits for the work already queued on the current stream (so
-    it reads what was written before); on exit the current stream waits for the side
-    stream (so tensors made inside are safe to use outside). Without CUDA this is a no-op
-    context that yields None.
+    it reads what was written before) and on the streams earlier blocks were entered from
+    (so memory freed there is not reused under their reads); on exit the current stream
+    waits for the side stream (so tensors made inside are safe to use outside). Without
+    CUDA this is a no-op context that yields None.
 
     >>> import torch, anydevice as ad
     >>> with ad.side_stream("cpu") as s:
@@ -100,9 +180,10 @@ def side_stream(
     if dev is None:
         yield None
         return
-    stream = stream_for(dev, priority)
+    side = _SIDES.get(_index(dev), priority, "side")
+    stream = side.stream
     current = torch.cuda.current_stream(dev)
-    stream.wait_stream(current)
+    side.enter_from(current)
     try:
         with torch.cuda.stream(stream):
             yield stream

@@ -38,12 +38,18 @@ class Backend(ABC):
     def probe(self, *, telemetry: bool = True) -> Probe:
         """Describe every device of this kind that torch can use in this process."""
 
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """Like :meth:`probe`, but without importing torch; None when this kind cannot tell
+        without it (the default: a backend opts in by overriding this)."""
+        return None
+
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
         """Why this kind has no device here, in one sentence, with what to do."""
         return f"no {self.label} device is available to torch {_torch_version()}."
 
 
 def _torch_version() -> str:
-    import torch
+    from anydevice import torchbuild
 
-    return str(torch.__version__)
+    build = torchbuild.read()
+    return build.version if build is not None else "(not installed)"

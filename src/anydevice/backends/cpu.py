@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from anydevice import torchbuild
 from anydevice.backends.base import Backend, Probe
 from anydevice.inventory import DeviceInfo
 
@@ -25,6 +24,32 @@ class CpuBackend(Backend):
     label = "CPU"
 
     def probe(self, *, telemetry: bool = True) -> Probe:
+        import torch
+
+        facts = {
+            "torch": str(torch.__version__),
+            "torch_build": torch_build(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda_runtime": torch.version.cuda,
+        }
+        return self._probe(telemetry, facts, ())
+
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe:
+        """The host and the CPU; torch's version and build read from its files. torch's
+        thread count is known only once torch is imported (``None`` until then)."""
+        if "torch" in sys.modules:
+            return self.probe(telemetry=telemetry)
+        build = torchbuild.read()
+        facts = {
+            "torch": build.version if build else "not installed",
+            "torch_build": build.label if build else "none",
+            "torch_threads": None,
+            "cuda_runtime": build.cuda if build else None,
+        }
+        note = "torch was not imported: its thread count is not probed (anydevice info --torch)."
+        return self._probe(telemetry, facts, (note,))
+
+    def _probe(self, telemetry: bool, torch_facts: dict[str, Any], notes: tuple[str, ...]) -> Probe:
         import psutil  # light, but only needed when someone looks
 
         vm = psutil.virtual_memory()
@@ -36,7 +61,6 @@ class CpuBackend(Backend):
         usable = _usable_cores(logical, quota)
         model = cpu_model()
         flags = _cpu_flags()
-        notes: list[str] = []
         utilization = temperature = None
         if telemetry:
             utilization = psutil.cpu_percent(interval=0.05)
@@ -52,14 +76,12 @@ class CpuBackend(Backend):
             tf32=False,
             utilization=utilization,
             temperature=temperature,
-            notes=tuple(notes),
         )
         host: dict[str, Any] = {
             "hostname": platform.node(),
             "os": platform.platform(),
             "python": f"{platform.python_implementation()} {platform.python_version()}",
-            "torch": str(torch.__version__),
-            "torch_build": torch_build(),
+            **torch_facts,
             "cpu_model": model,
             "cores_logical": logical,
             "cores_physical": psutil.cpu_count(logical=False),
@@ -68,10 +90,8 @@ class CpuBackend(Backend):
             "memory_total": total,
             "memory_available": available,
             "memory_limit": limit,
-            "torch_threads": torch.get_num_threads(),
-            "cuda_runtime": torch.version.cuda,
         }
-        return Probe(devices=(device,), host=host)
+        return Probe(devices=(device,), host=host, notes=notes)
 
 
 def torch_build() -> str:
@@ -80,6 +100,8 @@ def torch_build() -> str:
     >>> torch_build() in ("CPU", "MPS") or torch_build().startswith(("CUDA", "ROCm", "XPU"))
     True
     """
+    import torch
+
     if torch.version.cuda:
         return f"CUDA {torch.version.cuda}"
     if getattr(torch.version, "hip", None):

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from anydevice import torchbuild
 from anydevice.backends import nvml
 from anydevice.backends.base import Backend, Probe
 from anydevice.backends.nvml import GpuRecord, NvmlUnavailable
@@ -58,8 +57,18 @@ class Visibility:
 
 
 def cuda_built() -> bool:
-    """Whether this torch was built with CUDA (or ROCm, which torch also calls ``cuda``)."""
-    return bool(torch.version.cuda or getattr(torch.version, "hip", None))
+    """Whether this torch was built with CUDA (or ROCm, which torch also calls ``cuda``).
+
+    Read from torch's files when torch is not imported yet, so asking does not import it.
+    """
+    build = torchbuild.read()
+    return build is not None and bool(build.cuda or build.hip)
+
+
+def _torch_cuda_initialized() -> bool:
+    """torch's own flag, without importing torch: a torch not imported has not initialised."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    return cuda is not None and bool(cuda.is_initialized())
 
 
 def driver_initialized() -> bool:
@@ -73,7 +82,7 @@ def driver_initialized() -> bool:
     """
     if not cuda_built():
         return False
-    if torch.cuda.is_initialized():
+    if _torch_cuda_initialized():
         return True
     if not sys.platform.startswith("linux"):
         return False  # without /proc/self/maps, trust torch's own flag
@@ -268,6 +277,8 @@ def _uuid_key(uuid: str) -> str:
 
 def _confirm_with_torch(vis: Visibility) -> Visibility:
     """Once torch has initialised CUDA anyway, read the true order from its UUIDs."""
+    import torch
+
     try:
         torch_uuids = [
             _uuid_key(str(torch.cuda.get_device_properties(i).uuid))
@@ -326,6 +337,16 @@ class CudaBackend(Backend):
         return os.environ if self._environ is None else self._environ
 
     def probe(self, *, telemetry: bool = True) -> Probe:
+        probe = self._probe(telemetry, with_torch=True)
+        assert probe is not None  # with torch, every case has an answer
+        return probe
+
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """NVML's GPUs and torch's build from its files; None when NVML cannot be read and
+        a CUDA torch would have to be asked instead."""
+        return self._probe(telemetry, with_torch="torch" in sys.modules)
+
+    def _probe(self, telemetry: bool, *, with_torch: bool) -> Probe | None:
         host: dict[str, Any] = {}
         notes: list[str] = []
         driver: nvml.DriverInfo | None = None
@@ -346,8 +367,15 @@ class CudaBackend(Backend):
         if not cuda_built():
             return Probe(host=host, notes=tuple(notes))
         if telemetry:
-            host.update(_library_versions())
+            host.update(_library_versions() if with_torch else _installed_library_versions())
+            if not with_torch and host["cudnn"] is None:
+                notes.append(
+                    "cuDNN and NCCL: no nvidia-cudnn/nvidia-nccl package beside torch, and torch "
+                    "was not imported to ask it (anydevice info --torch)."
+                )
         if driver is None:
+            if not with_torch:
+                return None
             devices, more = self._probe_with_torch()
             return Probe(devices=devices, host=host, notes=(*notes, *more))
         vis = visible_devices(
@@ -355,13 +383,15 @@ class CudaBackend(Backend):
             self.environ.get("CUDA_VISIBLE_DEVICES"),
             self.environ.get("CUDA_DEVICE_ORDER"),
         )
-        if torch.cuda.is_initialized():
+        if _torch_cuda_initialized():
             vis = _confirm_with_torch(vis)
         devices = tuple(_info(i, r, vis.guessed) for i, r in enumerate(vis.devices))
         return Probe(devices=devices, host=host, notes=(*notes, *vis.notes))
 
     def _probe_with_torch(self) -> tuple[tuple[DeviceInfo, ...], list[str]]:
         """Without NVML, ask torch. This initialises CUDA in this process; the notes say so."""
+        import torch
+
         already = driver_initialized()
         count = torch.cuda.device_count()
         devices = []
@@ -398,15 +428,17 @@ class CudaBackend(Backend):
         return tuple(devices), notes
 
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        build = torchbuild.read()
+        version = build.version if build is not None else "(not installed)"
         env = self.environ
         if not cuda_built():
             if host is not None and host.nvidia_gpus:
                 return (
-                    f"this torch ({torch.__version__}) is a CPU-only build, although "
+                    f"this torch ({version}) is a CPU-only build, although "
                     f"{host.nvidia_gpus} NVIDIA GPU(s) are in this machine. Install a CUDA build: "
                     f"{cuda_wheel_command(host.driver_cuda)}"
                 )
-            return f"there is no NVIDIA GPU here (and torch {torch.__version__} is CPU-only)."
+            return f"there is no NVIDIA GPU here (and torch {version} is CPU-only)."
         cvd = env.get("CUDA_VISIBLE_DEVICES")
         if cvd is not None and not cvd.strip():
             return "CUDA_VISIBLE_DEVICES is set to '' and hides every GPU; unset it."
@@ -449,7 +481,21 @@ def _cudnn_text(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 100}.{v % 100}"
 
 
+def _installed_library_versions() -> dict[str, Any]:
+    """cuDNN and NCCL as installed beside torch's CUDA wheels, read without importing torch."""
+    return {
+        "cudnn": torchbuild.library_version(
+            "nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu11"
+        ),
+        "nccl": torchbuild.library_version(
+            "nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"
+        ),
+    }
+
+
 def _library_versions() -> dict[str, Any]:
+    import torch
+
     out: dict[str, Any] = {}
     try:
         v = torch.backends.cudnn.version()

@@ -5,8 +5,6 @@ from __future__ import annotations
 import platform
 import sys
 
-import torch
-
 from anydevice.backends.base import Backend, Probe
 from anydevice.inventory import DeviceInfo, HostInfo
 
@@ -18,7 +16,13 @@ class MpsBackend(Backend):
     label = "Apple MPS"
     is_gpu = True
 
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """Nothing to find off macOS; on a Mac only torch can tell (None)."""
+        return Probe() if sys.platform != "darwin" else None
+
     def probe(self, *, telemetry: bool = True) -> Probe:
+        import torch
+
         if not torch.backends.mps.is_available():
             return Probe()
         import psutil
@@ -46,6 +50,8 @@ class MpsBackend(Backend):
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
         if sys.platform != "darwin":
             return f"MPS exists only on Apple silicon Macs; this is {platform.system()}."
+        import torch
+
         if not torch.backends.mps.is_built():
             return f"this torch ({torch.__version__}) was built without MPS support."
         return "MPS needs macOS 12.3 or later on an Apple silicon (M-series) Mac."

@@ -20,6 +20,10 @@ class XlaBackend(Backend):
     kind = "xla"
     label = "XLA (TPU)"
 
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """Nothing to find without torch_xla; with it, torch_xla (and torch) must be asked."""
+        return Probe() if not installed() else None
+
     def probe(self, *, telemetry: bool = True) -> Probe:
         if not installed():
             return Probe()

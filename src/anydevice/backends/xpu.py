@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from anydevice import torchbuild
 from anydevice.backends.base import Backend, Probe
 from anydevice.inventory import DeviceInfo, HostInfo
 
@@ -15,7 +14,14 @@ class XpuBackend(Backend):
     label = "Intel XPU"
     is_gpu = True
 
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """Nothing to find when torch was built without XPU; otherwise only torch can tell."""
+        build = torchbuild.read()
+        return Probe() if build is None or not build.xpu else None
+
     def probe(self, *, telemetry: bool = True) -> Probe:
+        import torch
+
         xpu = getattr(torch, "xpu", None)
         if xpu is None or not xpu.is_available():
             return Probe()
@@ -46,6 +52,8 @@ class XpuBackend(Backend):
         return Probe(devices=tuple(devices))
 
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        import torch
+
         if not getattr(getattr(torch, "xpu", None), "_is_compiled", lambda: False)():
             return (
                 f"this torch ({torch.__version__}) was built without XPU support; install an "

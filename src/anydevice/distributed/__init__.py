@@ -6,6 +6,8 @@
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
 * :mod:`~anydevice.distributed.parallel` — ``prepare()`` / ``unwrap()``: DDP, DP, samplers.
+* :mod:`~anydevice.distributed.sharding` — FSDP2 as ``prepare(strategy="fsdp")`` applies it.
+* :mod:`~anydevice.distributed.state` — ``save_state()`` / ``load_state()`` on any world size.
 * :mod:`~anydevice.distributed.collectives` — ``all_reduce``, ``all_gather``, ``broadcast``,
   ``gather_for_metrics``.
 * :mod:`~anydevice.distributed.sharing` — ``share()`` for Hogwild.
@@ -21,6 +23,7 @@ from anydevice.distributed.context import Distributed, distributed
 from anydevice.distributed.elastic import launch
 from anydevice.distributed.parallel import prepare, unwrap
 from anydevice.distributed.sharing import share
+from anydevice.distributed.state import load_state, save_state
 
 __all__ = [
     "Distributed",
@@ -30,7 +33,9 @@ __all__ = [
     "distributed",
     "gather_for_metrics",
     "launch",
+    "load_state",
     "prepare",
+    "save_state",
     "share",
     "unwrap",
 ]

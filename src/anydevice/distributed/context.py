@@ -27,7 +27,7 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from anydevice import selection
-from anydevice.distributed import environment
+from anydevice.distributed import environment, preemption
 from anydevice.distributed.environment import World
+from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.selection import DeviceLike
 
@@ -67,6 +68,8 @@ class Distributed:
     backend: str | None  #: nccl, gloo, ...; None in a world of one without a group
     launcher: str  #: torchelastic, env, slurm, mpi or single
     world: World = field(repr=False)
+    #: the signals caught for ``on_preempt`` (:mod:`~anydevice.distributed.preemption`)
+    preemption: Preemption | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -82,6 +85,14 @@ class Distributed:
     def is_distributed(self) -> bool:
         """True when a process group exists (a launcher started this process)."""
         return self.backend is not None
+
+    def check_preemption(self) -> None:
+        """Call once per training step, where the state is whole: if a preemption signal
+        reached any rank, ``on_preempt`` runs on every rank and the process exits
+        (``SystemExit(128 + signal)``). Every rank must call it; without ``on_preempt``
+        it does nothing."""
+        if self.preemption is not None:
+            self.preemption.check()
 
     def barrier(self) -> None:
         """Wait until every rank gets here; returns at once in a world of one."""
@@ -100,6 +111,7 @@ def distributed(
     timeout: float | timedelta | None = None,
     device: DeviceLike = "auto",
     init_method: str | None = None,
+    on_preempt: Callable[[], object] | None = None,
 ) -> Iterator[Distributed]:
     """Join the world a launcher started, or be a world of one; leave it cleanly.
 
@@ -123,6 +135,11 @@ def distributed(
             ``"file:///shared/job42"`` on a shared file system where ports are closed, or
             ``"tcp://10.0.0.1:23456"``. Ranks and world size still come from the launcher;
             outside one, it makes a group of one.
+        on_preempt: a function of no arguments (typically ``ad.save_state``) to run on
+            every rank when ``SIGTERM`` (or, under SLURM, ``SIGUSR1``) reaches the job:
+            the ranks agree at the next ``d.check_preemption()`` — called once per step —
+            then it runs and the job exits, requeued under SLURM after ``SIGUSR1``
+            (:mod:`~anydevice.distributed.preemption`).
 
     Returns:
         A context manager whose value is a :class:`Distributed`.
@@ -134,6 +151,11 @@ def distributed(
             backend.
         DistributedTimeoutError: the other ranks did not join within ``timeout``.
     """
+    if on_preempt is not None:
+        joined = distributed(backend, timeout=timeout, device=device, init_method=init_method)
+        with joined as d, preemption.watch(d, on_preempt) as watched:
+            yield watched
+        return
     world = environment.detect()
     if dist.is_available() and dist.is_initialized():
         if init_method is not None:

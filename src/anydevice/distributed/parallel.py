@@ -2,11 +2,14 @@
 
 The model and optimizer come back as torch's own objects, never wrappers of ours: the model
 on this rank's device — inside torch's ``DistributedDataParallel`` when the world has more
-than one rank, inside ``nn.DataParallel`` for ``strategy="dp"``, as it is in a world of one —
-and the same optimizer with its state moved along. ``ad.unwrap(model)`` gives the user's
-module back. The loader is torch's ``DataLoader`` rebuilt around a ``DistributedSampler``
-(every setting of the original kept), inside a :class:`~anydevice.DeviceLoader` that
-delivers its batches on the rank's device and passes ``set_epoch`` to the sampler.
+than one rank, inside ``nn.DataParallel`` for ``strategy="dp"``, sharded in place by torch's
+``fully_shard`` for ``strategy="fsdp"`` (:mod:`~anydevice.distributed.sharding`), as it is
+in a world of one — and the same optimizer with its state moved along. ``ad.unwrap(model)``
+gives the user's module back. The loader is torch's ``DataLoader`` rebuilt around a
+``DistributedSampler`` (every setting of the original kept), inside a
+:class:`~anydevice.DeviceLoader` that delivers its batches on the rank's device and keeps the
+sampler's epoch: yours where you set it, advanced by one after each complete pass where you
+never do.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Iterator
-from typing import Any, TypeVar, cast, overload
+from collections.abc import Callable, Iterable
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -30,14 +33,13 @@ from torch.utils.data import (
 )
 
 from anydevice import selection
-from anydevice.distributed import environment
+from anydevice.distributed import environment, sharding
 from anydevice.distributed.context import rank_device
 from anydevice.errors import DistributedError
 from anydevice.loader import DeviceLoader
 from anydevice.selection import DeviceLike
 
 __all__ = [
-    "ReshufflingSampler",
     "device_loader",
     "distributed_loader",
     "prepare",
@@ -46,28 +48,9 @@ __all__ = [
 
 logger = logging.getLogger("anydevice")
 
-T_co = TypeVar("T_co", covariant=True)
-_STRATEGIES = ("auto", "ddp", "dp", "none")
-
-
-class ReshufflingSampler(DistributedSampler[T_co]):
-    """A ``DistributedSampler`` that moves to the next epoch each time it is iterated.
-
-    A plain ``DistributedSampler`` deals the same permutation every epoch unless
-    ``set_epoch(epoch)`` is called before each one — an easy call to forget. This one
-    advances by itself; calling ``set_epoch`` still works (it sets the epoch the next
-    iteration uses), so code written for torch's sampler behaves the same. Every rank
-    iterates once per epoch, so all ranks stay on the same permutation.
-
-    >>> s = ReshufflingSampler(range(8), num_replicas=2, rank=0, shuffle=True)
-    >>> list(s) != list(s)
-    True
-    """
-
-    def __iter__(self) -> Iterator[T_co]:
-        indices = super().__iter__()  # torch computes the whole permutation here
-        self.epoch += 1
-        return indices
+_STRATEGIES = ("auto", "ddp", "dp", "fsdp", "none")
+#: An optimizer, or a function that makes one from the prepared model's parameters.
+OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @overload
@@ -87,7 +70,7 @@ def prepare(
 def prepare(
     model: nn.Module,
     loader: DataLoader[Any] | DeviceLoader[Any],
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerLike,
     *,
     strategy: str = ...,
     device: DeviceLike | None = ...,
@@ -98,7 +81,7 @@ def prepare(
     model: nn.Module,
     loader: None = ...,
     *,
-    optimizer: torch.optim.Optimizer,
+    optimizer: OptimizerLike,
     strategy: str = ...,
     device: DeviceLike | None = ...,
     **kwargs: Any,
@@ -106,7 +89,7 @@ def prepare(
 def prepare(
     model: nn.Module,
     loader: DataLoader[Any] | DeviceLoader[Any] | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerLike | None = None,
     *,
     strategy: str = "auto",
     device: DeviceLike | None = None,
@@ -137,18 +120,39 @@ def prepare(
             prefetch_factor, persistent_workers and multiprocessing context are kept.
             It comes back inside a :class:`~anydevice.DeviceLoader`: batches arrive on the
             rank's device (prefetched; on CUDA, pinned and copied on a side stream), and
-            ``set_epoch`` reaches the sampler. A ``DeviceLoader`` may be passed too: its
-            source is sharded and its ``transform``, ``prefetch`` and ``depth`` are kept.
-        optimizer: its state (momentum, Adam moments) moves to the model's device.
+            the sampler's epoch is yours where you set it (``loader.set_epoch(e)`` or
+            ``loader.sampler.set_epoch(e)``), else advanced after each complete pass. A
+            ``DeviceLoader`` may be passed too: its source is sharded and its
+            ``transform``, ``prefetch`` and ``depth`` are kept.
+        optimizer: its state (momentum, Adam moments) moves to the model's device. Or a
+            function that makes the optimizer from the prepared model's parameters
+            (``functools.partial(torch.optim.AdamW, lr=1e-3)``); it is called after
+            wrapping or sharding.
         strategy: ``"auto"`` (DDP when the world has several ranks, else nothing);
             ``"ddp"`` (DDP whenever a process group exists, even of one rank);
+            ``"fsdp"`` (torch's FSDP2 ``fully_shard`` on each block, then the root, over
+            a ``DeviceMesh`` of the world; nothing in a world of one — see below);
             ``"dp"`` (``nn.DataParallel`` over every visible GPU in this one process —
             slower than DDP: one Python thread drives all GPUs and the module is
             replicated on every step; on the CPU torch's DataParallel silently just calls
             the module, so anydevice warns and returns the model unwrapped);
             ``"none"`` (place only).
         device: the device to use (default: this rank's, as ``ad.distributed`` picks it).
-        kwargs: passed to torch's wrapper, e.g. ``find_unused_parameters=True``.
+        kwargs: passed to torch's wrapper, e.g. ``find_unused_parameters=True`` for DDP,
+            ``reshard_after_forward=False`` or ``mp_policy=`` for ``fully_shard``. With
+            ``"fsdp"`` three more are anydevice's: ``shard=`` (a module class, a tuple of
+            them, or a predicate naming the blocks; default the children of the model's
+            largest ``nn.ModuleList``/``nn.Sequential``), ``precision=`` (``"auto"``, a
+            mode or an ``ad.precision`` object: bf16/fp16 gathers parameters in that
+            dtype and reduces gradients in fp32; ``"auto"`` chooses by hardware, so fp32
+            on a CPU without native bf16) and ``cpu_offload=True`` (parameters, gradients
+            and optimizer state live in host memory between uses).
+
+    With ``"fsdp"`` the parameters become sharded ``DTensor``\\ s, so an optimizer made
+    before ``prepare`` is pointed at them: the same optimizer object, its param groups in
+    the same order with the same hyper-parameters (an LR scheduler made on it keeps
+    working). One that has already stepped is refused — its state has the full shapes;
+    restore state after ``prepare`` with :func:`~anydevice.load_state`.
 
     Returns:
         The arguments given, in order: ``model``; ``(model, loader)``;
@@ -160,21 +164,33 @@ def prepare(
         DistributedError: ``WORLD_SIZE > 1`` but no process group (call it inside ``with
             ad.distributed():``); a loader that cannot be sharded (an ``IterableDataset``,
             a custom sampler or batch sampler); ``"dp"`` with several processes; an
-            optimizer that holds parameters the model does not have.
+            optimizer that holds parameters the model does not have; with ``"fsdp"``,
+            an optimizer that has already stepped.
         ValueError: an unknown strategy.
     """
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use one of {', '.join(_STRATEGIES)}.")
     rank, size, dev = _where(device)
-    module = _place(model, dev)
-    if optimizer is not None:
-        _move_optimizer(optimizer, model)
-    wrapped = _wrap(module, strategy, size, dev, kwargs)
+    # fully_shard moves each block to the device as it shards it: moving the whole model
+    # first would need room for all of it (and for a model made on "meta", fail).
+    module = model if strategy == "fsdp" and size > 1 else _place(model, dev)
+    given = factory = None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        given = optimizer
+        _move_optimizer(given, model)
+    elif optimizer is not None:
+        factory = optimizer
+    if strategy == "fsdp":
+        wrapped = _fully_shard(module, given, size, dev, kwargs)
+    else:
+        wrapped = _wrap(module, strategy, size, dev, kwargs)
     out: list[Any] = [wrapped]
     if loader is not None:
         out.append(device_loader(loader, size, rank, dev))
-    if optimizer is not None:
-        out.append(optimizer)
+    if given is not None:
+        out.append(given)
+    elif factory is not None:
+        out.append(sharding.build_optimizer(factory, wrapped))
     return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -205,7 +221,11 @@ def distributed_loader(
     >>> from torch.utils.data import DataLoader
     >>> shard = distributed_loader(DataLoader(range(10), batch_size=2, shuffle=True), 4, 1)
     >>> type(shard.sampler).__name__, shard.sampler.shuffle, len(shard.sampler)
-    ('ReshufflingSampler', True, 3)
+    ('DistributedSampler', True, 3)
+
+    The sampler is torch's own: on its own it deals the same order every epoch unless
+    ``set_epoch`` is called; inside a :class:`~anydevice.DeviceLoader` (as ``ad.prepare``
+    returns it) the epoch advances after each complete pass where you never set it.
 
     Raises:
         DistributedError: the loader cannot be sharded by a ``DistributedSampler``.
@@ -250,7 +270,7 @@ def distributed_loader(
             "and rank (for weighted sampling, draw with a generator seeded the same on "
             "every rank and keep every num_replicas-th index)."
         )
-    new_sampler: ReshufflingSampler[Any] = ReshufflingSampler(
+    new_sampler: DistributedSampler[Any] = DistributedSampler(
         loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
     )
     options = _loader_options(loader)
@@ -340,6 +360,33 @@ def _wrap(
     single_gpu = len(devices) == 1 and dev.type in ("cuda", "xpu")
     ids = [_index(dev)] if single_gpu else None  # torch refuses device_ids for CPU modules
     return DistributedDataParallel(model, device_ids=ids, **kwargs)
+
+
+def _fully_shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    size: int,
+    dev: torch.device,
+    kwargs: dict[str, Any],
+) -> nn.Module:
+    options = dict(kwargs)
+    shard = options.pop("shard", None)
+    mode = options.pop("precision", "auto")
+    offload = bool(options.pop("cpu_offload", False))
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise DistributedError(
+            f"strategy='fsdp' got a model already wrapped in {type(model).__name__}. Pass "
+            "the module itself (ad.unwrap(model))."
+        )
+    if size == 1:
+        return model  # nothing to shard: the same script runs unchanged in a world of one
+    names = sharding.parameter_names(model)
+    sharded = sharding.fully_shard_model(
+        model, dev, size, shard=shard, mode=mode, cpu_offload=offload, **options
+    )
+    if optimizer is not None:
+        sharding.swap_parameters(optimizer, names, sharded)
+    return sharded
 
 
 def _data_parallel(

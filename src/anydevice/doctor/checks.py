@@ -234,7 +234,7 @@ def check_cores(inv: Inventory, env: Mapping[str, str]) -> Check:
         limits.append(f"cgroup quota {h.cpu_quota:g} cores")
     if h.cores_usable < h.cores_logical and h.cpu_quota is None:
         limits.append("CPU affinity")
-    if h.torch_threads > h.cores_usable:
+    if h.torch_threads is not None and h.torch_threads > h.cores_usable:
         return Check(
             "cores",
             title,

@@ -1,0 +1,411 @@
+"""Training state that resumes anywhere: :func:`save_state` and :func:`load_state`.
+
+One call saves a model (plain, DDP or FSDP), its optimizer and whatever else the loop needs
+to resume (step, epoch, scheduler, RNG states, a sampler's epoch); one call restores them.
+Model and optimizer state go through torch's ``get_state_dict``/``set_state_dict``, which
+name every entry by its parameter's path in the user's module (no ``module.`` prefix from
+DDP, no ``_orig_mod.`` from ``torch.compile``, full shapes for FSDP's shards). That is what
+makes a checkpoint portable between wrappers and world sizes.
+
+What lands on disk:
+
+* **A world of one** — one file, written by :func:`anydevice.save` (atomic: a temporary
+  file renamed over the target; CRC-checked on load).
+* **Several ranks** — a folder in torch's distributed checkpoint format (DCP): every rank
+  writes its own shards (``__<rank>_0.distcp``), rank 0 the index (``.metadata``); beside
+  them ``extra.rank<r>.pt``, rank ``r``'s ``extra``, and ``anydevice.json`` (the world
+  size). The folder is written under a temporary name and renamed into place by rank 0
+  once every rank has finished, so a crash mid-save leaves the previous checkpoint whole.
+  POSIX cannot rename a folder over a non-empty one, so the previous checkpoint is first
+  renamed aside (``.<name>.<hex>.old``) and removed after; a crash between the two renames
+  leaves it there, and :func:`load_state` and the next :func:`save_state` take it back.
+
+DCP reshards on load, so a folder saved by 2 ranks loads on 1 (no process group needed),
+on 3, and into DDP or FSDP whichever saved it; a single file loads on several ranks (each
+reads it whole and keeps its shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from anydevice import checkpoint
+from anydevice.errors import CheckpointError
+
+__all__ = ["load_state", "save_state"]
+
+logger = logging.getLogger("anydevice")
+
+PathLike = str | os.PathLike[str]
+
+_MANIFEST = "anydevice.json"
+_FORMAT = 1
+
+
+def save_state(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    **extra: Any,
+) -> Path:
+    """Save ``model``, ``optimizer`` and ``extra`` so that :func:`load_state` resumes them.
+
+    Call it on every rank (it is a collective when the world has several).
+
+    >>> import tempfile, anydevice as ad
+    >>> net = torch.nn.Linear(2, 1)
+    >>> path = ad.save_state(f"{tempfile.mkdtemp()}/ckpt", model=net, step=7)
+    >>> ad.load_state(path, model=torch.nn.Linear(2, 1))
+    {'step': 7}
+
+    Args:
+        path: the checkpoint: a file in a world of one, a folder with several ranks. Its
+            parent folder must exist (on a file system every rank sees).
+        model: the model, as ``ad.prepare`` returned it (or the plain module).
+        optimizer: its optimizer.
+        extra: anything else to restore, per rank: the step, epoch, ``scheduler.state_dict()``,
+            ``torch.get_rng_state()``, ... — tensors, numbers, strings and containers of
+            them (what ``torch.load(weights_only=True)`` reads back).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        CheckpointError: writing failed; the previous checkpoint at ``path`` is kept.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    target = Path(os.fspath(path))
+    model_state, optim_state = _states(model, optimizer, get_state_dict)
+    rank, size = _world()
+    if size == 1:
+        state = {"format": _FORMAT, "model": model_state, "optimizer": optim_state, "extra": extra}
+        if target.is_dir():  # a folder saved by several ranks: replaced the same way
+            tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+            _replace(checkpoint.save(state, tmp), target)
+            return target
+        return checkpoint.save(state, target)
+    return _save_sharded(target, rank, size, model_state, optim_state, extra)
+
+
+def load_state(
+    path: PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Restore ``model`` and ``optimizer`` from :func:`save_state`; return its ``extra``.
+
+    Works on any world size and wrapper, whatever saved it (see the module's notes). Call
+    it on every rank, after ``ad.prepare``.
+
+    Args:
+        path: what :func:`save_state` wrote.
+        model: the model to restore into (plain, DDP or FSDP).
+        optimizer: its optimizer; its state is restored too.
+
+    Returns:
+        This rank's ``extra`` (rank ``r`` of the saving world; on ranks that world did not
+        have, rank 0's).
+
+    Raises:
+        CheckpointError: the checkpoint is missing or partial — the message names what is
+            missing (the path, ``.metadata``, a rank's shard file, the optimizer's state,
+            model entries) — or damaged.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    rank, size = _world()
+    source = _resolve(Path(os.fspath(path)))
+    if source.is_file():
+        saved = checkpoint.load(source, "cpu")
+        if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+            raise CheckpointError(
+                f"ad.load_state({str(source)!r}): this file was not written by ad.save_state "
+                "(no 'format' entry). Load it with ad.load and load_state_dict instead.",
+                path=str(source),
+            )
+        _check_optimizer(source, optimizer, has_optimizer=saved["optimizer"] is not None)
+        model_state, optim_state = saved["model"], saved["optimizer"]
+        options = StateDictOptions(full_state_dict=True, strict=True) if size > 1 else None
+        _set(model, optimizer, model_state, optim_state, set_state_dict, options, source)
+        return dict(saved["extra"])
+    manifest = _check_folder(source)
+    from torch.distributed.checkpoint import state_dict_loader as dcp
+
+    model_state, optim_state = _states(model, optimizer, get_state_dict)
+    state: dict[str, Any] = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optim_state
+    _check_keys(source, state, has_optimizer=bool(manifest.get("optimizer", True)))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(source))
+    _set(model, optimizer, state["model"], state.get("optimizer"), set_state_dict, None, source)
+    saved_ranks = int(manifest["world_size"])
+    extra_file = source / f"extra.rank{rank if rank < saved_ranks else 0}.pt"
+    if not extra_file.exists():
+        raise CheckpointError(
+            f"ad.load_state({str(source)!r}): partial checkpoint, {extra_file.name} is "
+            "missing (a rank's extra state). Use an earlier checkpoint.",
+            path=str(source),
+        )
+    return dict(checkpoint.load(extra_file, "cpu"))
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _save_sharded(
+    target: Path,
+    rank: int,
+    size: int,
+    model_state: dict[str, Any],
+    optim_state: Any,
+    extra: dict[str, Any],
+) -> Path:
+    from torch.distributed.checkpoint import state_dict_saver as dcp
+
+    tmp_name: list[str | None] = [None]
+    if rank == 0:
+        _recover(target)
+        _remove_leftovers(target)
+        tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+        try:
+            tmp.mkdir()
+            tmp_name[0] = tmp.name
+        except OSError as e:
+            tmp_name[0] = None
+            logger.debug("save_state: cannot create %s: %s", tmp, e)
+    dist.broadcast_object_list(tmp_name, src=0)
+    if tmp_name[0] is None:
+        raise CheckpointError(
+            f"ad.save_state({str(target)!r}): rank 0 cannot create a folder in "
+            f"{target.parent}. Check that it exists and is writable (on a file system every "
+            "rank sees).",
+            path=str(target),
+        )
+    tmp = target.parent / tmp_name[0]
+    state: dict[str, Any] = {"model": model_state}
+    if optim_state is not None:
+        state["optimizer"] = optim_state
+    failed: BaseException | None = None
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        checkpoint.save(extra, tmp / f"extra.rank{rank}.pt")
+        if rank == 0:
+            manifest = {"format": _FORMAT, "world_size": size, "optimizer": "optimizer" in state}
+            (tmp / _MANIFEST).write_text(json.dumps(manifest))
+    except Exception as e:
+        failed = e
+    # Every rank says whether it wrote its part; rank 0 renames only if all did.
+    oks: list[Any] = [None] * size
+    dist.all_gather_object(oks, None if failed is None else f"{type(failed).__name__}: {failed}")
+    problems = {r: p for r, p in enumerate(oks) if p is not None}
+    if problems:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        first = min(problems)
+        raise CheckpointError(
+            f"ad.save_state({str(target)!r}): rank(s) {sorted(problems)} could not write "
+            f"their part (rank {first}: {problems[first]}); the previous checkpoint is kept.",
+            path=str(target),
+        ) from failed
+    if rank == 0:
+        _replace(tmp, target)
+    dist.barrier()
+    return target
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` into ``target``'s place; the previous one goes aside, then away."""
+    _fsync(tmp)
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.{os.urandom(4).hex()}.old"
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync(target.parent)
+    if old is not None:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def _recover(target: Path) -> None:
+    """A crash between :func:`_replace`'s two renames leaves no ``target`` but a whole
+    previous checkpoint aside: put it back."""
+    if target.exists():
+        return
+    aside = sorted(target.parent.glob(f".{target.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    if aside:
+        logger.warning("save_state: %s restored from %s (a save was cut short)", target, aside[-1])
+        os.replace(aside[-1], target)
+
+
+def _remove_leftovers(target: Path) -> None:
+    for leftover in (
+        *target.parent.glob(f".{target.name}.*.tmp"),
+        *target.parent.glob(f".{target.name}.*.old"),
+    ):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _fsync(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _resolve(path: Path) -> Path:
+    if path.exists():
+        return path
+    aside = sorted(path.parent.glob(f".{path.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    if aside:
+        logger.warning("load_state: no %s; loading %s (a save was cut short)", path, aside[-1])
+        return aside[-1]
+    unfinished = sorted(p.name for p in path.parent.glob(f".{path.name}.*.tmp"))
+    hint = (
+        f" An unfinished save is there ({', '.join(unfinished)}): the job stopped while "
+        "writing its first checkpoint."
+        if unfinished
+        else ""
+    )
+    raise CheckpointError(
+        f"ad.load_state({str(path)!r}): no checkpoint there (missing: {path.name} in "
+        f"{path.parent}).{hint} Check the path, or start from scratch when there is none.",
+        path=str(path),
+    )
+
+
+def _check_folder(folder: Path) -> dict[str, Any]:
+    """The folder's manifest, after checking that every file it needs is there."""
+    missing = [name for name in (".metadata", _MANIFEST) if not (folder / name).exists()]
+    if missing:
+        raise CheckpointError(
+            f"ad.load_state({str(folder)!r}): partial checkpoint, missing "
+            f"{' and '.join(missing)} (written last, when every rank has finished): the "
+            "save did not complete, or this folder is not a checkpoint of ad.save_state. "
+            "Use an earlier checkpoint.",
+            path=str(folder),
+        )
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    files = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    absent = sorted(f for f in files if not (folder / f).exists())
+    if absent:
+        raise CheckpointError(
+            f"ad.load_state({str(folder)!r}): partial checkpoint, missing shard file(s) "
+            f"{', '.join(absent)} of {len(files)}. Copy the whole folder, or use an "
+            "earlier checkpoint.",
+            path=str(folder),
+        )
+    manifest: dict[str, Any] = json.loads((folder / _MANIFEST).read_text())
+    return manifest
+
+
+def _check_keys(folder: Path, state: dict[str, Any], *, has_optimizer: bool) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    _check_optimizer(folder, state.get("optimizer"), has_optimizer=has_optimizer)
+    saved = set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+    wanted = {f"model.{k}" for k in state["model"]}
+    absent = sorted(k.removeprefix("model.") for k in wanted - saved)
+    if absent:
+        more = f" (and {len(absent) - 5} more)" if len(absent) > 5 else ""
+        raise CheckpointError(
+            f"ad.load_state({str(folder)!r}): the checkpoint has no entry for "
+            f"{len(absent)} of the model's {len(wanted)} tensors: {', '.join(absent[:5])}{more}. "
+            "It was saved from another model (or another version of it).",
+            path=str(folder),
+        )
+
+
+def _check_optimizer(source: Path, optimizer: object, *, has_optimizer: bool) -> None:
+    if optimizer is not None and not has_optimizer:
+        raise CheckpointError(
+            f"ad.load_state({str(source)!r}): it holds no optimizer state (it was saved "
+            "without optimizer=), but an optimizer was passed to restore. Drop optimizer= "
+            "to load the model alone.",
+            path=str(source),
+        )
+
+
+def _set(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    model_state: dict[str, Any],
+    optim_state: Any,
+    set_state_dict: Any,
+    options: Any,
+    source: Path,
+) -> None:
+    try:
+        set_state_dict(
+            model,
+            optimizer if optimizer is not None else [],
+            model_state_dict=model_state,
+            optim_state_dict=optim_state if optimizer is not None else {},
+            options=options,
+        )
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"ad.load_state({str(source)!r}): the saved state does not fit this model or "
+            f"optimizer ({type(e).__name__}: {str(e).strip().splitlines()[0]}). It was saved "
+            "from another model or optimizer.",
+            path=str(source),
+        ) from e
+
+
+# ----------------------------------------------------------------------------- shared
+
+
+def _states(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, get_state_dict: Any
+) -> tuple[dict[str, Any], Any]:
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(model), None
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return model_state, optim_state
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no group: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

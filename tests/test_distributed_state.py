@@ -1,0 +1,221 @@
+"""``ad.save_state`` / ``ad.load_state``: one file in a world of one, DCP folders on real gloo
+ranks, resumed on other world sizes and across DDP and FSDP."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+import anydevice as ad
+from ranks import process_tree_guard, run_ranks
+from workers import batches, model
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind():
+    with process_tree_guard():
+        yield
+
+
+STEPS = 4  # saved after 2, resumed for 2 more
+GLOBAL = 16  # samples per step
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.02, weight_decay=0.01)
+
+
+def train(net, opt, steps: range, rank: int = 0, world: int = 1) -> list[float]:
+    """Steps of the same global batches on any world size: each rank takes its share of the
+    16 samples and its loss is scaled so that the ranks' averaged gradient is the gradient
+    of the global mean."""
+    x, y = batches(STEPS, 1, seed=7)  # (STEPS, 8, 6): pad to 16 samples
+    x, y = torch.cat([x, x.flip(1)], 1), torch.cat([y, y.flip(1)], 1)
+    share = torch.arange(GLOBAL).tensor_split(world)[rank]
+    losses = []
+    for s in steps:
+        opt.zero_grad()
+        err = (net(x[s, share]) - y[s, share]).pow(2).sum()
+        (err * world / GLOBAL).backward()
+        opt.step()
+        losses.append(float(ad.all_reduce(err.detach(), op="sum")) / GLOBAL)
+    return losses
+
+
+def full(net: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in ad.unwrap(net).state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().clone()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The run that is never interrupted, in one process: losses and parameters."""
+    net = model(seed=0)
+    opt = optimizer(net.parameters())
+    first = train(net, opt, range(2))
+    at_two = full(net)
+    rest = train(net, opt, range(2, STEPS))
+    return {"losses": first + rest, "at_two": at_two, "final": full(net)}
+
+
+def assert_params(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- world of one
+
+
+def test_world_of_one_round_trip_is_one_checked_file(tmp_path, reference):
+    net = model(seed=0)
+    opt = optimizer(net.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(net, opt, range(2))
+    sched.step()
+    rng = torch.get_rng_state()
+    path = ad.save_state(tmp_path / "one.pt", model=net, optimizer=opt, step=2,
+                         sched=sched.state_dict(), rng=rng)  # fmt: skip
+    assert path.is_file() and [p.name for p in tmp_path.iterdir()] == ["one.pt"]
+    fresh = model(seed=5)
+    fresh_opt = optimizer(fresh.parameters())
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1, gamma=0.5)
+    extra = ad.load_state(path, model=fresh, optimizer=fresh_opt)
+    fresh_sched.load_state_dict(extra["sched"])
+    assert extra["step"] == 2 and torch.equal(extra["rng"], rng)
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.01
+    assert_params(full(fresh), reference["at_two"])
+    for g in (opt, fresh_opt):
+        g.param_groups[0]["lr"] = 0.02  # the reference ran without the scheduler
+    assert train(fresh, fresh_opt, range(2, STEPS)) == train(net, opt, range(2, STEPS))
+
+
+def test_missing_or_mismatched_checkpoints_name_what_is_missing(tmp_path):
+    net = model(seed=0)
+    with pytest.raises(ad.CheckpointError, match=r"no checkpoint there \(missing: nope in"):
+        ad.load_state(tmp_path / "nope", model=net)
+    (tmp_path / ".nope.1234abcd.tmp").mkdir()
+    with pytest.raises(ad.CheckpointError, match=r"unfinished save is there \(.nope.1234abcd.tmp"):
+        ad.load_state(tmp_path / "nope", model=net)
+    path = ad.save_state(tmp_path / "m.pt", model=net)
+    with pytest.raises(ad.CheckpointError, match="holds no optimizer state"):
+        ad.load_state(path, model=net, optimizer=optimizer(net.parameters()))
+    with pytest.raises(ad.CheckpointError, match="does not fit this model"):
+        ad.load_state(path, model=nn.Linear(6, 1))
+    ad.save({"w": torch.ones(1)}, tmp_path / "plain.pt")
+    with pytest.raises(ad.CheckpointError, match="not written by ad.save_state"):
+        ad.load_state(tmp_path / "plain.pt", model=net)
+
+
+# ----------------------------------------------------------------------------- several ranks
+
+
+def _save_on_two(folder):
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            out: dict = {}
+            fsdp, fsdp_opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="fsdp")
+            ddp, ddp_opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="ddp")
+            train(fsdp, fsdp_opt, range(2), d.rank, 2)
+            train(ddp, ddp_opt, range(2), d.rank, 2)
+            ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=2, rank=d.rank)
+            ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=2, rank=d.rank)
+            ad.save_state(folder / "ddp", model=ddp, optimizer=ddp_opt, step=2, rank=d.rank)
+            ad.save_state(folder / "model-only", model=fsdp)
+            # a rank that cannot write its part fails the save on every rank; the previous
+            # checkpoint stays whole and no temporary folder is left
+            bad = {"hook": (lambda: None) if d.rank == 1 else None}
+            try:
+                ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=99, **bad)
+            except ad.CheckpointError as e:
+                out["failed_save"] = str(e)
+            out["losses"] = train(fsdp, fsdp_opt, range(2, STEPS), d.rank, 2)
+            out["final"] = full(fsdp)
+            return out
+
+    return rank
+
+
+def _resume_on_three(folder):
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            out: dict = {}
+            runs = [("fsdp", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp"), ("one.pt", "fsdp")]
+            for saved, strategy in runs:
+                net, opt = ad.prepare(model(seed=9), optimizer=optimizer, strategy=strategy)
+                extra = ad.load_state(folder / saved, model=net, optimizer=opt)
+                losses = train(net, opt, range(2, STEPS), d.rank, 3)
+                out[saved, strategy] = (extra, losses, full(net))
+            return out
+
+    return rank
+
+
+def test_sharded_checkpoints_resume_on_one_and_three_ranks_and_across_ddp_and_fsdp(
+    tmp_path, reference
+):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (tmp_path / "two").mkdir()
+    two = run_ranks(_save_on_two(folder), 2, tmp_path / "two", timeout=90)
+    for out in two:
+        assert out["losses"] == pytest.approx(reference["losses"][2:], rel=1e-5)
+        assert_params(out["final"], reference["final"])
+        assert "rank(s) [1] could not write their part" in out["failed_save"]
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["ddp", "fsdp", "model-only"]  # nothing temporary left over
+    shards = sorted(p.name for p in (folder / "fsdp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp", "anydevice.json",
+                      "extra.rank0.pt", "extra.rank1.pt"]  # fmt: skip
+
+    # a world of one reads the folder without a process group
+    net, opt = model(seed=3), None
+    opt = optimizer(net.parameters())
+    assert ad.load_state(folder / "fsdp", model=net, optimizer=opt) == {"step": 2, "rank": 0}
+    assert_params(full(net), reference["at_two"])  # the failed save left step 2 whole
+    assert train(net, opt, range(2, STEPS)) == pytest.approx(reference["losses"][2:], rel=1e-5)
+    assert_params(full(net), reference["final"])
+    ad.save_state(folder / "one.pt", model=model(seed=0), optimizer=None)  # replaced below
+    net, opt = model(seed=3), None
+    opt = optimizer(net.parameters())
+    ad.load_state(folder / "fsdp", model=net, optimizer=opt)
+    ad.save_state(folder / "one.pt", model=net, optimizer=opt, step=2, rank=0)
+
+    (tmp_path / "three").mkdir()
+    three = run_ranks(_resume_on_three(folder), 3, tmp_path / "three", timeout=90)
+    for r, out in enumerate(three):
+        for (saved, strategy), (extra, losses, final) in out.items():
+            where = f"{saved} into {strategy} on rank {r} of 3"
+            saver = 0 if saved == "one.pt" or r == 2 else r  # rank 0's where there is no other
+            assert extra == {"step": 2, "rank": saver}, where
+            assert losses == pytest.approx(reference["losses"][2:], rel=1e-5), where
+            assert_params(final, reference["final"])
+
+    # partial folders say what is missing
+    broken = tmp_path / "broken"
+    shutil.copytree(folder / "fsdp", broken)
+    (broken / "__1_0.distcp").unlink()
+    with pytest.raises(ad.CheckpointError, match=r"missing shard file\(s\) __1_0.distcp of 2"):
+        ad.load_state(broken, model=model(0))
+    (broken / ".metadata").unlink()
+    with pytest.raises(ad.CheckpointError, match="partial checkpoint, missing .metadata"):
+        ad.load_state(broken, model=model(0))
+    with pytest.raises(ad.CheckpointError, match="holds no optimizer state"):
+        ad.load_state(folder / "model-only", model=net, optimizer=opt)
+
+    # a world of one saves its single file over a folder
+    ad.save_state(folder / "ddp", model=net, step=5)
+    assert (folder / "ddp").is_file() and ad.load_state(folder / "ddp", model=net) == {"step": 5}
+
+    # a crash between the two renames: the previous checkpoint is aside, and found
+    aside = folder / ".fsdp.0badc0de.old"
+    (folder / "fsdp").rename(aside)
+    net = model(seed=3)
+    assert ad.load_state(folder / "fsdp", model=net)["step"] == 2
+    assert_params(full(net), reference["at_two"])
