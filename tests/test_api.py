@@ -32,6 +32,8 @@ DOCUMENTED = {
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
     "load_state", "prepare", "save_state", "share", "unwrap",
+    # kernels
+    "ExtensionError", "load_extension",
 }  # fmt: skip
 
 API_DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         DeviceSpecError,
         DistributedError,
         DistributedTimeoutError,
+        ExtensionError,
         MeasurementError,
         MoveError,
         NoTensorError,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
         VisibilityError,
         WorkerFailedError,
     )
+    from anydevice.extension import load_extension
     from anydevice.flops import FlopCount, ModuleFlops, flops
     from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
     from anydevice.layout import channels_last
@@ -92,6 +94,7 @@ __all__ = [
     "Distributed",
     "DistributedError",
     "DistributedTimeoutError",
+    "ExtensionError",
     "FlopCount",
     "HostInfo",
     "Inventory",
@@ -136,6 +139,7 @@ __all__ = [
     "inventory",
     "launch",
     "load",
+    "load_extension",
     "load_state",
     "memory",
     "nvtx_range",
@@ -159,6 +163,7 @@ __all__ = [
 _SOURCES: dict[str, str] = {
     "fit_batch_size": "anydevice.batch_size",
     "load": "anydevice.checkpoint",
+    "load_extension": "anydevice.extension",
     "save": "anydevice.checkpoint",
     "Distributed": "anydevice.distributed",
     "all_gather": "anydevice.distributed",
@@ -180,6 +185,7 @@ _SOURCES: dict[str, str] = {
     "DeviceSpecError": "anydevice.errors",
     "DistributedError": "anydevice.errors",
     "DistributedTimeoutError": "anydevice.errors",
+    "ExtensionError": "anydevice.errors",
     "MeasurementError": "anydevice.errors",
     "MoveError": "anydevice.errors",
     "NoTensorError": "anydevice.errors",

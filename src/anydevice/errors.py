@@ -16,6 +16,7 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── StepOrderError (RuntimeError)       backward / unscale_ / step called out of order
     ├── MeasurementError (RuntimeError)     a timing or memory reading cannot be made as asked
     ├── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
+    ├── ExtensionError (RuntimeError)       load_extension cannot build: what is missing, the fix
     └── DistributedError (RuntimeError)     a process group cannot be formed or used
         ├── DistributedTimeoutError (TimeoutError)  peers did not join in time
         └── WorkerFailedError               a launched worker failed: rank, exit code, traceback
@@ -40,6 +41,7 @@ __all__ = [
     "DeviceSpecError",
     "DistributedError",
     "DistributedTimeoutError",
+    "ExtensionError",
     "MeasurementError",
     "MoveError",
     "NoTensorError",
@@ -137,6 +139,19 @@ class BatchSizeError(AnydeviceError, RuntimeError):
     Either even the smallest batch (``low``) runs out of memory, or ``step`` never ran out
     of memory at all (it probably ignores its batch size), or another rank failed.
     """
+
+
+class ExtensionError(AnydeviceError, RuntimeError):
+    """:func:`~anydevice.extension.load_extension` cannot build or load an extension.
+
+    The message names what is missing (a source, the compiler, ninja, an nvcc of torch's
+    CUDA major version) and the fix; for a compile error, the compiler's first errors.
+    ``log`` is the whole build output ("" when there was no build).
+    """
+
+    def __init__(self, message: str, *, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
 
 
 class DistributedError(AnydeviceError, RuntimeError):

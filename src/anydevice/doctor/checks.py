@@ -288,6 +288,13 @@ def check_cores(inv: Inventory, env: Mapping[str, str]) -> Check:
     )
 
 
+def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """Compiler, ninja and nvcc for torch.compile and custom kernels (doctor/toolchain.py)."""
+    from anydevice.doctor.toolchain import check_toolchain as check
+
+    return check(inv, env)
+
+
 CHECKS: tuple[Callable[[Inventory, Mapping[str, str]], Check], ...] = (
     check_device_env,
     check_torch_build,
@@ -296,6 +303,7 @@ CHECKS: tuple[Callable[[Inventory, Mapping[str, str]], Check], ...] = (
     check_nvml,
     check_free_memory,
     check_cores,
+    check_toolchain,
 )
 
 
