@@ -87,7 +87,9 @@ def test_memory_stats_names_memory_used_outside_the_allocator():
 
 
 def test_track_memory_exact_when_the_block_sets_a_new_high_water_mark():
-    # A fresh interpreter has a low high-water mark, so a 512 MiB block raises it.
+    # A fresh interpreter has a low high-water mark, so a 512 MiB block raises it, even
+    # when it was started by a larger process (getrusage's ru_maxrss survives execve and
+    # would carry the parent's 1 GiB over; the mark of the process's own memory does not).
     code = textwrap.dedent(
         """
         import json, torch, anydevice as ad
@@ -98,8 +100,16 @@ def test_track_memory_exact_when_the_block_sets_a_new_high_water_mark():
                           "method": m.method}))
         """
     )
+    parent = textwrap.dedent(
+        f"""
+        import subprocess, sys
+        big = bytearray(2**30)  # 1 GiB, touched: this parent is larger than the block
+        sys.stdout.write(subprocess.run([sys.executable, "-c", {code!r}], capture_output=True,
+                                        text=True, timeout=120, check=True).stdout)
+        """
+    )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", parent], capture_output=True, text=True, timeout=150, check=True
     )
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["exact"] is True and "high-water" in r["method"]

@@ -96,7 +96,19 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int | None:
-    """The process's lifetime high-water mark of resident memory, kept by the kernel."""
+    """The process's lifetime high-water mark of resident memory, kept by the kernel.
+
+    On Linux it is ``VmHWM`` of ``/proc/self/status``: the mark of this process's own
+    address space. ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a process started
+    from a large parent (a test runner, a notebook) would read the parent's size there.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # Windows
