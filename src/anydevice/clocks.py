@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -59,8 +60,27 @@ def synchronize(device: torch.device | None = None) -> None:
         import torch_xla.core.xla_model as xm  # only where torch_xla is installed
 
         xm.wait_device_ops()
-    else:  # mps, xpu and any other accelerator of this build
+    elif device.type in ("mps", "xpu"):
         torch.accelerator.synchronize(device)
+    else:  # any other accelerator torch knows (npu, ...): where its backend can
+        _synchronize_generic(device)
+
+
+def _synchronize_generic(device: torch.device) -> None:
+    """Wait through the backend's ``synchronize``, else ``torch.accelerator``'s; warn when
+    the backend cannot wait (times then cover only what ran before each call returned)."""
+    from anydevice.backends.generic import module
+
+    wait = getattr(module(device.type), "synchronize", None) or torch.accelerator.synchronize
+    try:
+        wait(device)
+    except (RuntimeError, ValueError) as e:
+        warnings.warn(
+            f"cannot wait for {device}: its torch backend does not synchronise ({e}). Times "
+            "include only the work that finished before each call returned.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def in_use() -> list[torch.device]:
@@ -94,6 +114,20 @@ def _current_accelerators() -> list[torch.device]:
         found.append(torch.device("xpu", xpu.current_device()))
     if torch.backends.mps.is_available():  # MPS has no lazy initialisation to look at
         found.append(torch.device("mps"))
+    return found + _generic_in_use()
+
+
+def _generic_in_use() -> list[torch.device]:
+    """The current device of each other accelerator torch knows, once initialised."""
+    from anydevice.backends.generic import kinds, module
+
+    found = []
+    for kind in kinds():
+        mod = module(kind)
+        initialized = getattr(mod, "is_initialized", None)
+        current = getattr(mod, "current_device", None)
+        if initialized is not None and current is not None and initialized():
+            found.append(torch.device(kind, int(current())))
     return found
 
 
