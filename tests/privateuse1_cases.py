@@ -174,3 +174,21 @@ def test_allocator_stats() -> None:
     except RuntimeError as e:
         pytest.skip(f"torch's python privateuse1 backend has no device allocator: {e}")
     pytest.fail("the backend reports allocator stats now: check ad.inventory's memory")
+
+
+def test_side_stream_through_torch_stream() -> None:
+    import anydevice as ad
+
+    x = ad.to(torch.ones(3), NAME)
+    before = torch.accelerator.current_stream(0)
+    with ad.side_stream(NAME) as s:
+        assert isinstance(s, torch.Stream) and s.device == torch.device(NAME, 0)
+        # torch's python backend numbers every stream 0, so this shows the path, not the
+        # ordering (which needs a backend with real streams: XPU, ...).
+        assert torch.accelerator.current_stream(0) == s
+        y = ad.to(x, "cpu")
+    assert torch.accelerator.current_stream(0) == before
+    with ad.side_stream() as again:  # no device: torch's current accelerator
+        pass
+    assert again is s  # one side stream per device, reused
+    assert torch.equal(y, torch.ones(3))
