@@ -155,6 +155,13 @@ def test_timed_with_a_warning_where_it_cannot_wait() -> None:
     with pytest.warns(RuntimeWarning, match=f"cannot wait for {NAME}:0"):
         result = ad.timeit(lambda: ad.to(x, "cpu"), device=NAME, number=2, repeat=3)
     assert result.device == f"{NAME}:0" and len(result.times) == 3
+    # Its events cannot time (no elapsedTime in the python backend): the host clock.
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    end.record()
+    with pytest.raises(RuntimeError, match="elapsedTime"):
+        start.elapsed_time(end)
+    assert result.clock == "perf_counter"
     with pytest.warns(RuntimeWarning, match="does not synchronise"), ad.Timer(NAME) as t:
         ad.to(x, "cpu")
     assert t.elapsed > 0

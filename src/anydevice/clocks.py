@@ -247,11 +247,69 @@ class _CudaEventClock:
         return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
 
 
+class _EventClock:
+    """:class:`_CudaEventClock` through ``torch.Event`` and ``torch.accelerator``: XPU and
+    any other accelerator whose events time (see :func:`_events_time`)."""
+
+    name = "event"
+
+    def __init__(self, device: torch.device, stream: torch.Stream) -> None:
+        self.device = device
+        self.stream = stream
+
+    def measure(self, fn: Callable[[], object], number: int) -> float:
+        return self.run(fn, number, 1, None)[0]
+
+    def run(
+        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
+    ) -> list[float]:
+        pairs = [
+            (torch.Event(enable_timing=True), torch.Event(enable_timing=True))
+            for _ in range(repeat)
+        ]
+        for start, end in pairs:
+            if flush is not None:
+                flush()  # queued before the start event: outside the timed window
+            start.record(self.stream)
+            for _ in itertools.repeat(None, number):
+                fn()
+            end.record(self.stream)
+        pairs[-1][1].synchronize()  # in order on one stream: the last end is the last event
+        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+
+
+def _event_stream(device: torch.device) -> torch.Stream | None:
+    """The current stream of ``device`` when its events can time work, else None.
+
+    Only torch's current accelerator (other than CUDA, MPS, XLA) qualifies, and only once
+    a pair of timing events has been recorded, waited for and read there: a backend
+    without event timing (torch's python privateuse1 backend) gets the host clock.
+    """
+    from anydevice.backends.generic import _current_type
+
+    if device.type in ("cpu", "meta", "cuda", "mps", "xla") or _current_type(torch) != device.type:
+        return None
+    try:
+        index = device.index if device.index is not None else None
+        stream = torch.accelerator.current_stream(index)
+        start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+        start.record(stream)
+        end.record(stream)
+        end.synchronize()
+        start.elapsed_time(end)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+    return stream
+
+
 def clock_for(device: torch.device, clock: Callable[[], float] | None) -> _Clock:
     if clock is not None:
         return _HostClock(device, clock, clock_name(clock))
     if device.type == "cuda":
         return _CudaEventClock(device)
+    stream = _event_stream(device)
+    if stream is not None:
+        return _EventClock(device, stream)
     return _HostClock(device, time.perf_counter, "perf_counter")
 
 
