@@ -123,7 +123,7 @@ class DeviceInfo:
     'cpu'
     """
 
-    kind: str  #: "cpu", "cuda", "mps", "xpu" or "xla"
+    kind: str  #: "cpu", "cuda", "mps", "xpu", "xla", or another accelerator's name ("npu")
     index: int | None  #: torch index; None for the CPU
     name: str
     uuid: str | None = None

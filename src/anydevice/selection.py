@@ -68,7 +68,7 @@ _INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
 class Spec:
     """A parsed device spec: ``Spec("cuda", 1)`` for ``"cuda:1"``."""
 
-    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free or meta
+    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free, meta, or an accelerator's name
     index: int | None = None
     text: str = ""  #: as the caller wrote it, for messages
     source: str = "argument"  #: or "ANYDEVICE_DEVICE"
