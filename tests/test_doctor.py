@@ -136,7 +136,7 @@ def test_doctor_on_this_machine_has_every_check():
     names = [c.name for c in report.checks]
     assert names == [
         "device-env", "torch-build", "driver", "visibility", "nvml", "free-memory", "cores",
-        "toolchain",
+        "toolchain", "mps-fallback",
     ]  # fmt: skip
     assert all(c.summary for c in report.checks)
 

@@ -470,3 +470,63 @@ def test_diagnose_in_a_script_lists_only_its_tensors_not_its_containers():
         "It failed in <module>() at train.py:6, outside the model's modules: x on cuda:0." in text
     )
     assert "dataset" not in text
+
+
+# -- MPS: operators without a kernel, and the CPU fallback that must be set before import
+
+#: torch's message for an operator MPS lacks (aten/src/ATen/mps/MPSFallback.mm).
+MPS_MESSAGE = (
+    "The operator 'aten::_linalg_eigh.eigenvalues' is not currently implemented for the MPS "
+    "device. If you want this op to be added in priority during the prototype phase of this "
+    "feature, please comment on https://github.com/pytorch/pytorch/issues/77764. As a "
+    "temporary fix, you can set the environment variable `PYTORCH_ENABLE_MPS_FALLBACK=1` to "
+    "use the CPU as a fallback for this op. WARNING: this will be slower than running "
+    "natively on MPS."
+)
+
+
+def test_mps_advice_names_the_op_and_says_before_import():
+    from anydevice.mismatch import mps_fallback_advice
+
+    advice = mps_fallback_advice(NotImplementedError(MPS_MESSAGE), {})
+    assert advice is not None
+    assert advice.startswith("aten::_linalg_eigh.eigenvalues has no MPS kernel")
+    assert "before torch is imported" in advice and "PYTORCH_ENABLE_MPS_FALLBACK=1 python" in advice
+    assert "too late" not in advice
+    late = mps_fallback_advice(
+        NotImplementedError(MPS_MESSAGE), {"PYTORCH_ENABLE_MPS_FALLBACK": "1"}
+    )
+    assert late is not None and "set after torch was imported, too late" in late
+    assert mps_fallback_advice(RuntimeError(MPS_MESSAGE), {}) is None
+    assert mps_fallback_advice(NotImplementedError("subclasses implement this"), {}) is None
+
+
+def test_diagnose_adds_the_mps_advice_and_keeps_the_error():
+    model = nn.Linear(2, 2)
+    original = NotImplementedError(MPS_MESSAGE)
+    expected = "(?s)implemented for the MPS.*before torch is imported"
+    with pytest.raises(NotImplementedError, match=expected) as info, ad.diagnose(model):
+        raise original
+    assert info.value.__cause__ is original
+
+    @ad.diagnose(model)
+    def step(x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(MPS_MESSAGE)
+
+    with pytest.raises(NotImplementedError, match="has no MPS kernel"):
+        step(torch.ones(1, 2))
+    # Any other NotImplementedError passes through untouched.
+    with pytest.raises(NotImplementedError, match="^other$"), ad.diagnose(model):
+        raise NotImplementedError("other")
+
+
+def test_doctor_says_the_mps_fallback_needs_setting_before_import():
+    from anydevice.doctor.checks import check_mps_fallback
+    from machines import machine
+
+    mac = machine(others=(ad.DeviceInfo(kind="mps", index=0, name="Apple M3 GPU"),))
+    c = check_mps_fallback(mac, {})
+    assert c.status == "info" and "only when imported" in c.summary
+    assert c.fix == "Set it when launching: PYTORCH_ENABLE_MPS_FALLBACK=1 python train.py"
+    assert check_mps_fallback(mac, {"PYTORCH_ENABLE_MPS_FALLBACK": "1"}).status == "ok"
+    assert check_mps_fallback(machine(), {}).status == "skip"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -59,8 +60,27 @@ def synchronize(device: torch.device | None = None) -> None:
         import torch_xla.core.xla_model as xm  # only where torch_xla is installed
 
         xm.wait_device_ops()
-    else:  # mps, xpu and any other accelerator of this build
+    elif device.type in ("mps", "xpu"):
         torch.accelerator.synchronize(device)
+    else:  # any other accelerator torch knows (npu, ...): where its backend can
+        _synchronize_generic(device)
+
+
+def _synchronize_generic(device: torch.device) -> None:
+    """Wait through the backend's ``synchronize``, else ``torch.accelerator``'s; warn when
+    the backend cannot wait (times then cover only what ran before each call returned)."""
+    from anydevice.backends.generic import module
+
+    wait = getattr(module(device.type), "synchronize", None) or torch.accelerator.synchronize
+    try:
+        wait(device)
+    except (RuntimeError, ValueError) as e:
+        warnings.warn(
+            f"cannot wait for {device}: its torch backend does not synchronise ({e}). Times "
+            "include only the work that finished before each call returned.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def in_use() -> list[torch.device]:
@@ -94,6 +114,20 @@ def _current_accelerators() -> list[torch.device]:
         found.append(torch.device("xpu", xpu.current_device()))
     if torch.backends.mps.is_available():  # MPS has no lazy initialisation to look at
         found.append(torch.device("mps"))
+    return found + _generic_in_use()
+
+
+def _generic_in_use() -> list[torch.device]:
+    """The current device of each other accelerator torch knows, once initialised."""
+    from anydevice.backends.generic import kinds, module
+
+    found = []
+    for kind in kinds():
+        mod = module(kind)
+        initialized = getattr(mod, "is_initialized", None)
+        current = getattr(mod, "current_device", None)
+        if initialized is not None and current is not None and initialized():
+            found.append(torch.device(kind, int(current())))
     return found
 
 
@@ -213,11 +247,69 @@ class _CudaEventClock:
         return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
 
 
+class _EventClock:
+    """:class:`_CudaEventClock` through ``torch.Event`` and ``torch.accelerator``: XPU and
+    any other accelerator whose events time (see :func:`_events_time`)."""
+
+    name = "event"
+
+    def __init__(self, device: torch.device, stream: torch.Stream) -> None:
+        self.device = device
+        self.stream = stream
+
+    def measure(self, fn: Callable[[], object], number: int) -> float:
+        return self.run(fn, number, 1, None)[0]
+
+    def run(
+        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
+    ) -> list[float]:
+        pairs = [
+            (torch.Event(enable_timing=True), torch.Event(enable_timing=True))
+            for _ in range(repeat)
+        ]
+        for start, end in pairs:
+            if flush is not None:
+                flush()  # queued before the start event: outside the timed window
+            start.record(self.stream)
+            for _ in itertools.repeat(None, number):
+                fn()
+            end.record(self.stream)
+        pairs[-1][1].synchronize()  # in order on one stream: the last end is the last event
+        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+
+
+def _event_stream(device: torch.device) -> torch.Stream | None:
+    """The current stream of ``device`` when its events can time work, else None.
+
+    Only torch's current accelerator (other than CUDA, MPS, XLA) qualifies, and only once
+    a pair of timing events has been recorded, waited for and read there: a backend
+    without event timing (torch's python privateuse1 backend) gets the host clock.
+    """
+    from anydevice.backends.generic import _current_type
+
+    if device.type in ("cpu", "meta", "cuda", "mps", "xla") or _current_type(torch) != device.type:
+        return None
+    try:
+        index = device.index if device.index is not None else None
+        stream = torch.accelerator.current_stream(index)
+        start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+        start.record(stream)
+        end.record(stream)
+        end.synchronize()
+        start.elapsed_time(end)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
+    return stream
+
+
 def clock_for(device: torch.device, clock: Callable[[], float] | None) -> _Clock:
     if clock is not None:
         return _HostClock(device, clock, clock_name(clock))
     if device.type == "cuda":
         return _CudaEventClock(device)
+    stream = _event_stream(device)
+    if stream is not None:
+        return _EventClock(device, stream)
     return _HostClock(device, time.perf_counter, "perf_counter")
 
 

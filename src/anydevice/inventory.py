@@ -123,7 +123,7 @@ class DeviceInfo:
     'cpu'
     """
 
-    kind: str  #: "cpu", "cuda", "mps", "xpu" or "xla"
+    kind: str  #: "cpu", "cuda", "mps", "xpu", "xla", or another accelerator's name ("npu")
     index: int | None  #: torch index; None for the CPU
     name: str
     uuid: str | None = None
@@ -345,12 +345,16 @@ def inventory_without_torch(
 def _collect(telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool) -> Inventory:
     from anydevice import backends
 
-    wanted = tuple(kinds) if kinds is not None else (*ACCELERATOR_KINDS, "cpu")
+    order = (*ACCELERATOR_KINDS, "accelerator", "cpu")  # "accelerator": any other torch knows
+    wanted = tuple(kinds) if kinds is not None else order
+    by_name = tuple(k for k in wanted if k not in order)  # device types by name ("npu")
+    if by_name and "accelerator" not in wanted:
+        wanted = (*wanted, "accelerator")
     host_fields: dict[str, Any] = {}
     devices: list[DeviceInfo] = []
     notes: list[str] = []
     imported_for: list[str] = []
-    for kind in (*ACCELERATOR_KINDS, "cpu"):
+    for kind in order:
         backend = backends.get(kind)
         # The CPU backend always runs: it knows the host. The CUDA backend always runs too,
         # for the driver facts and to notice GPUs a CPU-only torch cannot use.
@@ -369,13 +373,18 @@ def _collect(telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool) 
             probe = backend.probe(telemetry=live)
         host_fields.update(probe.host)
         if kind in wanted:
-            devices.extend(probe.devices)
+            devices.extend(d for d in probe.devices if kind != "accelerator" or _asked(d, by_name))
         notes.extend(probe.notes)
     if imported_for:
         notes.append(f"torch was imported to look for {', '.join(imported_for)} devices.")
     if not with_torch:
         notes.extend(_unprobed_extensions())
     return Inventory(host=HostInfo(**host_fields), devices=tuple(devices), notes=tuple(notes))
+
+
+def _asked(device: DeviceInfo, by_name: tuple[str, ...]) -> bool:
+    """Whether a generic accelerator's device was asked for: all of them, or its kind by name."""
+    return not by_name or device.kind in by_name
 
 
 def _unprobed_extensions() -> list[str]:

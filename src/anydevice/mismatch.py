@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import FrameType, TracebackType
@@ -42,6 +43,7 @@ __all__ = [
     "devices_of",
     "diagnose",
     "is_device_mismatch",
+    "mps_fallback_advice",
     "report",
     "tensors",
     "walk",
@@ -425,7 +427,9 @@ class diagnose:
     Use it as ``with ad.diagnose(model, batch=batch): ...`` or as a decorator,
     ``@ad.diagnose(model)``, where the decorated function's arguments are the inputs the
     report names. Only device mismatches are replaced (with :class:`DeviceMismatchError`,
-    the original as ``__cause__``); every other exception passes through untouched.
+    the original as ``__cause__``); an operator MPS does not implement gets
+    :func:`mps_fallback_advice` (a ``NotImplementedError`` still, the original as
+    ``__cause__``); every other exception passes through untouched.
 
     The report names the module method that failed and the devices of the tensors it held
     at that moment (its arguments and locals, and the module's own parameters and buffers),
@@ -459,6 +463,7 @@ class diagnose:
     ) -> None:
         if exc is not None and is_device_mismatch(exc):
             raise self._error(exc, self._inputs()) from exc
+        _raise_with_mps_advice(exc)
 
     def __call__(self, fn: F) -> F:
         try:
@@ -473,6 +478,7 @@ class diagnose:
             except Exception as e:
                 if is_device_mismatch(e):
                     raise self._error(e, self._inputs(signature, args, kwargs)) from e
+                _raise_with_mps_advice(e)
                 raise
 
         return wrapper  # type: ignore[return-value]
@@ -512,6 +518,58 @@ class diagnose:
         what = "The model and the inputs are" if inputs else "The model is"
         headline = f"{what} on {n} device{'s' if n != 1 else ''}"
         return survey.error(headline, extra=extra, suggest_from=seen)
+
+
+# ----------------------------------------------------------------------------- MPS
+
+#: torch's wording for an operator without an MPS kernel (and no CPU fallback enabled).
+_MPS_UNIMPLEMENTED = re.compile(
+    r"operator '([^']+)' is not (?:currently )?implemented for the MPS device"
+)
+
+
+def mps_fallback_advice(exc: BaseException, environ: Mapping[str, str] | None = None) -> str | None:
+    """What to do about an operator MPS does not implement; None for any other error.
+
+    ``PYTORCH_ENABLE_MPS_FALLBACK=1`` runs such operators on the CPU, but torch reads it
+    once, when it is imported: set in the script after ``import torch`` it does nothing.
+
+    >>> e = NotImplementedError(
+    ...     "The operator 'aten::_fft_r2c' is not currently implemented for the MPS device.")
+    >>> print(mps_fallback_advice(e, {}).split(" (")[0])
+    aten::_fft_r2c has no MPS kernel in this torch
+    >>> mps_fallback_advice(NotImplementedError("abstract method"), {}) is None
+    True
+    """
+    if not isinstance(exc, NotImplementedError):
+        return None
+    found = _MPS_UNIMPLEMENTED.search(str(exc))
+    if found is None:
+        return None
+    env = os.environ if environ is None else environ
+    already = env.get("PYTORCH_ENABLE_MPS_FALLBACK", "").strip()
+    late = (
+        f" PYTORCH_ENABLE_MPS_FALLBACK={already} is set in this process now, so it was set "
+        "after torch was imported, too late to count."
+        if already
+        else ""
+    )
+    return (
+        f"{found.group(1)} has no MPS kernel in this torch ({torch.__version__}).{late} To run "
+        "the operators MPS lacks on the CPU (slower; the rest stays on MPS), set "
+        "PYTORCH_ENABLE_MPS_FALLBACK=1 before torch is imported: in the shell "
+        "(PYTORCH_ENABLE_MPS_FALLBACK=1 python train.py), or at the top of the script "
+        "before `import torch`; setting os.environ after the import does nothing. Or run "
+        "on the CPU: ad.device('cpu')."
+    )
+
+
+def _raise_with_mps_advice(exc: BaseException | None) -> None:
+    """Raise ``exc`` again, as a NotImplementedError with :func:`mps_fallback_advice`
+    added, when it is an operator MPS does not implement; otherwise return."""
+    advice = None if exc is None else mps_fallback_advice(exc)
+    if advice is not None:
+        raise NotImplementedError(f"{str(exc).rstrip()}\n{advice}") from exc
 
 
 def _frames(exc: BaseException) -> list[tuple[FrameType, int]]:

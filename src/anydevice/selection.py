@@ -3,8 +3,10 @@
 Grammar (case-insensitive)::
 
     auto | cpu | gpu[:i] | cuda[:i] | mps | xpu[:i] | xla[:i] | tpu[:i] | free | int | torch.device
+    | <name>[:i]   (any other accelerator torch knows: the privateuse1 backend's name, e.g. npu)
 
-* ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS), else the CPU. Under a
+* ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS, then any other torch knows),
+  else the CPU. Under a
   launcher (``LOCAL_RANK`` set) it is this rank's GPU. ``ANYDEVICE_DEVICE=<spec>`` overrides it.
 * ``gpu[:i]`` / an int: the i-th GPU of whatever kind this machine has (CUDA, XPU or MPS).
 * ``cuda:i`` uses CUDA's index, the one torch uses, which is not always nvidia-smi's.
@@ -66,7 +68,7 @@ _INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
 class Spec:
     """A parsed device spec: ``Spec("cuda", 1)`` for ``"cuda:1"``."""
 
-    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free or meta
+    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free, meta, or an accelerator's name
     index: int | None = None
     text: str = ""  #: as the caller wrote it, for messages
     source: str = "argument"  #: or "ANYDEVICE_DEVICE"
@@ -122,7 +124,7 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
         if index != 0:
             raise DeviceSpecError(f"{spec!r}{origin}: there is one CPU device; use 'cpu'.")
         return Spec("cpu", None, spec, source)
-    if kind not in _INDEXED:
+    if kind not in _INDEXED and kind not in _generic_kinds():
         raise DeviceSpecError(f"{spec!r}{origin}: '{kind}' takes no index; use '{kind}'.")
     return Spec(kind, index, spec, source)
 
@@ -130,13 +132,29 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
 def _check_kind(kind: str, spec: object, source: str) -> str:
     if kind in _KINDS:
         return kind
-    close = difflib.get_close_matches(kind, [*_KINDS, "tpu"], n=1)
+    generic = _generic_kinds()
+    if kind in generic:
+        return kind
+    close = difflib.get_close_matches(kind, [*_KINDS, "tpu", *generic], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     origin = "" if source == "argument" else f" (from {source})"
     raise DeviceSpecError(
         f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        "mps, xpu[:i], xla[:i], free, an int, or a torch.device."
+        f"mps, xpu[:i], xla[:i], {''.join(g + '[:i], ' for g in generic)}free, an int, "
+        "or a torch.device."
     )
+
+
+def _generic_kinds() -> tuple[str, ...]:
+    """Accelerator device types torch knows beyond the named kinds (``npu``, ...)."""
+    from anydevice.backends.generic import kinds
+
+    return kinds()
+
+
+def _auto_kinds() -> tuple[str, ...]:
+    """Accelerator kinds in the order ``auto`` prefers them: the named, then the generic."""
+    return (*ACCELERATOR_KINDS, *_generic_kinds())
 
 
 # ----------------------------------------------------------------------------- policies
@@ -197,7 +215,7 @@ def select_all(spec: Spec, inv: Inventory) -> list[DeviceInfo]:
     if spec.index is not None or spec.kind in ("cpu", "meta"):
         return [select(spec, inv)]
     if spec.kind == "auto":
-        for kind in ACCELERATOR_KINDS:
+        for kind in _auto_kinds():
             if inv.of_kind(kind):
                 return list(inv.of_kind(kind))
         return [inv.cpu]
@@ -239,7 +257,7 @@ def _auto(
     spec: Spec,
     current: Mapping[str, int],
 ) -> DeviceInfo:
-    for kind in ACCELERATOR_KINDS:
+    for kind in _auto_kinds():
         found = inv.of_kind(kind)
         if not found:
             continue
@@ -394,7 +412,10 @@ def current_indices() -> dict[str, int]:
 
 
 def _inventory_for(spec: Spec, *, telemetry: bool = False) -> Inventory:
-    kinds = ACCELERATOR_KINDS if spec.kind in ("auto", "gpu", "free") else (spec.kind,)
+    if spec.kind == "auto":
+        kinds: tuple[str, ...] = (*ACCELERATOR_KINDS, "accelerator")
+    else:
+        kinds = ACCELERATOR_KINDS if spec.kind in ("gpu", "free") else (spec.kind,)
     return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"))
 
 

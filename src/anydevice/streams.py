@@ -117,6 +117,45 @@ _STREAMS = StreamCache(_new_stream)
 _SIDES = StreamCache(_new_side)
 
 
+def _new_generic_side(index: int, priority: int) -> _Side:
+    kind = _stream_kind()
+    assert kind is not None  # only made for a device _generic_device accepted
+    return _Side(torch.Stream(torch.device(kind, index), priority=priority))
+
+
+# XPU and other accelerators with streams: only torch's current accelerator type has them
+# through torch.Stream and torch.accelerator, so the device index is the whole key.
+_GENERIC_SIDES = StreamCache(_new_generic_side)
+
+
+def _stream_kind() -> str | None:
+    """torch's current accelerator type when it has side streams here (XPU, or another
+    accelerator torch knows beyond the named kinds); None on CUDA builds (CUDA has its own
+    path), MPS (one queue), XLA (no eager streams) and the CPU."""
+    from anydevice.backends.generic import _current_type
+
+    kind = _current_type(torch)
+    if kind is None or kind in ("cuda", "mps", "xla", "cpu"):
+        return None
+    return kind
+
+
+def _generic_device(device: DeviceLike | None) -> torch.device | None:
+    """The stream-capable non-CUDA device ``device`` means, or None (no side stream)."""
+    kind = _stream_kind()
+    if kind is None or not torch.accelerator.is_available():
+        return None
+    if device is None:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    from anydevice.selection import device as resolve
+
+    dev = device if isinstance(device, torch.device) else resolve(device)
+    if dev.type != kind:
+        return None
+    index = torch.accelerator.current_device_index() if dev.index is None else dev.index
+    return torch.device(kind, index)
+
+
 def _cuda_device(device: DeviceLike | None) -> torch.device | None:
     """The CUDA device ``device`` means, or None when it is not a CUDA device."""
     if device is None:
@@ -153,14 +192,15 @@ def copy_stream(device: torch.device) -> torch.cuda.Stream:
 @contextmanager
 def side_stream(
     device: DeviceLike | None = None, *, priority: int = 0
-) -> Iterator[torch.cuda.Stream | None]:
+) -> Iterator[torch.cuda.Stream | torch.Stream | None]:
     """Run a block on a side stream, ordered with the current stream both ways.
 
     On entry the side stream waits for the work already queued on the current stream (so
     it reads what was written before) and on the streams earlier blocks were entered from
     (so memory freed there is not reused under their reads); on exit the current stream
-    waits for the side stream (so tensors made inside are safe to use outside). Without
-    CUDA this is a no-op context that yields None.
+    waits for the side stream (so tensors made inside are safe to use outside). On XPU and
+    any other accelerator with streams, the same through ``torch.Stream`` and
+    ``torch.accelerator``; on the CPU, MPS and XLA a no-op context that yields None.
 
     >>> import torch, anydevice as ad
     >>> with ad.side_stream("cpu") as s:
@@ -169,16 +209,22 @@ def side_stream(
     (True, 6.0)
 
     Args:
-        device: the CUDA device (any spec); default: the current CUDA device, or a no-op
-            without CUDA.
+        device: the device (any spec); default: the current CUDA device, else torch's
+            current accelerator when it has streams, else a no-op.
         priority: stream priority (lower is more urgent, as in ``torch.cuda.Stream``).
 
     Yields:
-        The side ``torch.cuda.Stream``, or None without CUDA.
+        The side ``torch.cuda.Stream``; on XPU and other accelerators with streams, a
+        ``torch.Stream``; None on the CPU, MPS and XLA.
     """
     dev = _cuda_device(device)
     if dev is None:
-        yield None
+        generic = _generic_device(device)
+        if generic is None:
+            yield None
+            return
+        with _generic_side_stream(generic, priority) as s:
+            yield s
         return
     side = _SIDES.get(_index(dev), priority, "side")
     stream = side.stream
@@ -186,6 +232,21 @@ def side_stream(
     side.enter_from(current)
     try:
         with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        current.wait_stream(stream)
+
+
+@contextmanager
+def _generic_side_stream(dev: torch.device, priority: int) -> Iterator[torch.Stream]:
+    """:func:`side_stream` through ``torch.Stream`` and ``torch.accelerator``."""
+    index = dev.index if dev.index is not None else torch.accelerator.current_device_index()
+    side = _GENERIC_SIDES.get(index, priority, "side")
+    stream = side.stream
+    current = torch.accelerator.current_stream(index)
+    side.enter_from(current)
+    try:
+        with stream:
             yield stream
     finally:
         current.wait_stream(stream)

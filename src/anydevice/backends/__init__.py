@@ -19,19 +19,32 @@ _REGISTRY: dict[str, str] = {
     "xla": "anydevice.backends.xla:XlaBackend",
     "xpu": "anydevice.backends.xpu:XpuBackend",
     "mps": "anydevice.backends.mps:MpsBackend",
+    # Every other accelerator torch knows (privateuse1 backends such as npu), by its name.
+    "accelerator": "anydevice.backends.generic:GenericBackend",
     "cpu": "anydevice.backends.cpu:CpuBackend",
 }
 
 KINDS: tuple[str, ...] = tuple(_REGISTRY)
 
 
-@cache
 def get(kind: str) -> Backend:
-    """The backend for ``kind`` (one instance per process; backends keep no device state)."""
-    try:
-        target = _REGISTRY[kind]
-    except KeyError:
-        raise KeyError(f"no backend for device kind {kind!r}; known: {', '.join(KINDS)}") from None
+    """The backend for ``kind`` (one instance per process; backends keep no device state).
+
+    A device type torch knows beyond the named kinds (``npu``, ...) gets the generic one.
+    """
+    if kind not in _REGISTRY:
+        from anydevice.backends.generic import kinds
+
+        if kind not in kinds():
+            known = ", ".join((*KINDS, *kinds()))
+            raise KeyError(f"no backend for device kind {kind!r}; known: {known}")
+        kind = "accelerator"
+    return _get(kind)
+
+
+@cache
+def _get(kind: str) -> Backend:
+    target = _REGISTRY[kind]
     module_name, _, class_name = target.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     backend: Backend = cls()

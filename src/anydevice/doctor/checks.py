@@ -295,6 +295,31 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
     return check(inv, env)
 
 
+def check_mps_fallback(inv: Inventory, env: Mapping[str, str]) -> Check:
+    """On a Mac, operators without an MPS kernel raise; the CPU fallback must be set before
+    torch is imported."""
+    title = "MPS fallback for operators MPS lacks"
+    if not inv.of_kind("mps"):
+        return Check("mps-fallback", title, "skip", "no MPS device.")
+    if env.get("PYTORCH_ENABLE_MPS_FALLBACK", "").strip() == "1":
+        return Check(
+            "mps-fallback",
+            title,
+            "ok",
+            "PYTORCH_ENABLE_MPS_FALLBACK=1: operators without an MPS kernel run on the CPU "
+            "(slower), if it was set before torch was imported.",
+        )
+    return Check(
+        "mps-fallback",
+        title,
+        "info",
+        "operators without an MPS kernel raise NotImplementedError. "
+        "PYTORCH_ENABLE_MPS_FALLBACK=1 runs them on the CPU, but torch reads it only when "
+        "imported: setting os.environ after `import torch` does nothing.",
+        "Set it when launching: PYTORCH_ENABLE_MPS_FALLBACK=1 python train.py",
+    )
+
+
 CHECKS: tuple[Callable[[Inventory, Mapping[str, str]], Check], ...] = (
     check_device_env,
     check_torch_build,
@@ -304,6 +329,7 @@ CHECKS: tuple[Callable[[Inventory, Mapping[str, str]], Check], ...] = (
     check_free_memory,
     check_cores,
     check_toolchain,
+    check_mps_fallback,
 )
 
 
