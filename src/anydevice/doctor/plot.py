@@ -225,9 +225,12 @@ def _steps(ax: Any, m: Measurements) -> None:
         color = _DEVICE_COLORS[len(bars) % len(_DEVICE_COLORS)]
         assert d.step_fp32 is not None
         vs = f", {d.vs_cpu:.3g}x the CPU" if d.vs_cpu and d.device != "cpu" else ""
-        bars.append((f"{d.device}  fp32", d.step_fp32, color, vs if d.mode == "fp32" else ""))
+        fp32_mfu = "" if d.mfu_fp32 is None else f", {d.mfu_fp32:.0%} MFU"
+        best_mfu = "" if d.mfu_best is None else f", {d.mfu_best:.0%} MFU"
+        first = fp32_mfu + (vs if d.mode == "fp32" else "")
+        bars.append((f"{d.device}  fp32", d.step_fp32, color, first))
         if d.mode != "fp32" and d.step_best is not None:
-            bars.append((f"{d.device}  {d.mode}", d.step_best, color, vs))
+            bars.append((f"{d.device}  {d.mode}", d.step_best, color, best_mfu + vs))
     top = max(b[1] for b in bars)
     log = top / min(b[1] for b in bars) > 50
     for i, (_, seconds, color, extra) in enumerate(bars):
@@ -246,6 +249,8 @@ def _steps(ax: Any, m: Measurements) -> None:
     threads = ""
     if m.load is not None and m.load.measured_with not in (None, m.load.torch_threads):
         threads = f"\nwith {m.load.measured_with} thread(s): the cores other processes left free"
-    ax.set_title(f"the same training step on every device (shorter is faster)\n{m.step}{threads}",
-                 loc="left")  # fmt: skip
+    sources = sorted({d.mfu_source for d in rows if d.mfu_source})
+    mfu = f"\nMFU against the {'; '.join(sources)}" if sources else ""
+    ax.set_title(f"the same training step on every device (shorter is faster)\n{m.step}{threads}"
+                 f"{mfu}", loc="left")  # fmt: skip
     ax.grid(axis="x", alpha=0.3)
