@@ -14,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -214,42 +214,12 @@ class _HostClock:
         return out
 
 
-class _CudaEventClock:
-    """CUDA events on the current stream; the host waits once, after the last sample."""
-
-    name = "cuda-event"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.current_stream(device)
-
-    def measure(self, fn: Callable[[], object], number: int) -> float:
-        return self.run(fn, number, 1, None)[0]
-
-    def run(
-        self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
-    ) -> list[float]:
-        pairs = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(repeat)
-        ]
-        for start, end in pairs:  # creates the CUDA events now, not inside a timed window
-            start.record(self.stream)
-            end.record(self.stream)
-        for start, end in pairs:
-            if flush is not None:
-                flush()  # queued before the start event: outside the timed window
-            start.record(self.stream)
-            for _ in itertools.repeat(None, number):
-                fn()
-            end.record(self.stream)
-        torch.cuda.synchronize(self.device)
-        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
-
-
 class _EventClock:
-    """:class:`_CudaEventClock` through ``torch.Event`` and ``torch.accelerator``: XPU and
-    any other accelerator whose events time (see :func:`_events_time`)."""
+    """Timing events on one stream; the host waits once, after the last sample.
+
+    Through ``torch.Event`` and ``torch.accelerator`` for XPU and any other accelerator
+    whose events time (see :func:`_event_stream`); CUDA is :class:`_CudaEventClock`.
+    """
 
     name = "event"
 
@@ -257,16 +227,22 @@ class _EventClock:
         self.device = device
         self.stream = stream
 
+    def _event(self) -> Any:
+        return torch.Event(enable_timing=True)
+
+    def _wait(self, pairs: list[tuple[Any, Any]]) -> None:
+        pairs[-1][1].synchronize()  # in order on one stream: the last end is the last event
+
     def measure(self, fn: Callable[[], object], number: int) -> float:
         return self.run(fn, number, 1, None)[0]
 
     def run(
         self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
     ) -> list[float]:
-        pairs = [
-            (torch.Event(enable_timing=True), torch.Event(enable_timing=True))
-            for _ in range(repeat)
-        ]
+        pairs = [(self._event(), self._event()) for _ in range(repeat)]
+        for start, end in pairs:  # creates the events now, not inside a timed window
+            start.record(self.stream)
+            end.record(self.stream)
         for start, end in pairs:
             if flush is not None:
                 flush()  # queued before the start event: outside the timed window
@@ -274,8 +250,23 @@ class _EventClock:
             for _ in itertools.repeat(None, number):
                 fn()
             end.record(self.stream)
-        pairs[-1][1].synchronize()  # in order on one stream: the last end is the last event
+        self._wait(pairs)
         return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+
+
+class _CudaEventClock(_EventClock):
+    """CUDA events on the current stream; the host waits for the device once, at the end."""
+
+    name = "cuda-event"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, torch.cuda.current_stream(device))
+
+    def _event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def _wait(self, pairs: list[tuple[Any, Any]]) -> None:
+        torch.cuda.synchronize(self.device)
 
 
 def _event_stream(device: torch.device) -> torch.Stream | None:

@@ -24,7 +24,7 @@ import torch
 
 from anydevice.errors import PrecisionError
 
-__all__ = ["MathSettings", "fast_matmul"]
+__all__ = ["MathSettings", "fast_matmul", "strict_fp32"]
 
 Node = tuple[str, str]  #: (backend, op) in torch's fp32_precision tree
 _GENERIC: Node = ("generic", "all")
@@ -232,5 +232,21 @@ def fast_matmul(precision: Literal["high", "medium"] = "high") -> Iterator[MathS
         with _legacy_on_purpose():
             saved._turn_on(precision)
         yield saved
+    finally:
+        saved.restore()
+
+
+@contextlib.contextmanager
+def strict_fp32() -> Iterator[None]:
+    """fp32 matmuls in full fp32 (no TF32, no bf16) inside the block; settings restored.
+
+    What fp32 throughput is measured under. cuDNN's flag is left alone: writing it would
+    lose torch's initial conv/RNN state, which no setter can put back, and no matmul reads it.
+    """
+    saved = MathSettings.capture()
+    try:
+        with _legacy_on_purpose():
+            torch.set_float32_matmul_precision("highest")
+        yield
     finally:
         saved.restore()

@@ -26,11 +26,10 @@ MFU is then None.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ import torch
 
 from anydevice.clocks import active_device, resolve_device
 from anydevice.errors import MeasurementError
-from anydevice.matmul import MathSettings, _legacy_on_purpose
+from anydevice.matmul import MathSettings, strict_fp32
 from anydevice.selection import DeviceLike
 
 if TYPE_CHECKING:
@@ -145,7 +144,7 @@ def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
     while n <= cap:
         a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
         b = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
-        with fast_matmul() if dtype == "tf32" else _strict_fp32():
+        with fast_matmul() if dtype == "tf32" else strict_fp32():
             seconds = timeit(torch.mm, a, b, warmup=1, min_time=0.1, device=dev).median
         del a, b
         rate = 2 * n**3 / seconds / 1e12
@@ -155,19 +154,6 @@ def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
             break
         n *= 2
     return best, best_n
-
-
-@contextlib.contextmanager
-def _strict_fp32() -> Iterator[None]:
-    """fp32 measured as fp32: TF32 off inside, every setting restored after."""
-
-    saved = MathSettings.capture()
-    try:
-        with _legacy_on_purpose():
-            torch.set_float32_matmul_precision("highest")
-        yield
-    finally:
-        saved.restore()
 
 
 def rates_for(

@@ -34,7 +34,7 @@ from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
 from anydevice.doctor.peaks import gpu_peak, pcie_peak
 from anydevice.doctor.results import DeviceSummary, Lever, Measured, Measurements, find
 from anydevice.inventory import DeviceInfo, Inventory, format_bytes
-from anydevice.matmul import MathSettings, _legacy_on_purpose, fast_matmul
+from anydevice.matmul import fast_matmul, strict_fp32
 from anydevice.timing import format_time
 
 __all__ = [
@@ -325,22 +325,6 @@ TORCH_DTYPE = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-
-
-@contextlib.contextmanager
-def strict_fp32() -> Iterator[None]:
-    """fp32 matmuls in full fp32 (no TF32, no bf16) inside the block; settings restored.
-
-    cuDNN's flag is left alone: writing it would lose torch's initial conv/RNN state, which
-    no setter can put back (see :mod:`anydevice.matmul`), and no matmul reads it.
-    """
-    saved = MathSettings.capture()
-    try:
-        with _legacy_on_purpose():
-            torch.set_float32_matmul_precision("highest")
-        yield
-    finally:
-        saved.restore()
 
 
 def math_mode(dtype: str) -> contextlib.AbstractContextManager[Any]:
