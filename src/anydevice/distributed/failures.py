@@ -189,7 +189,10 @@ def worker_failed(
         first = min(own or failures, key=lambda f: (f.time, f.rank))
         lines = _blame(first)
     else:
-        first = min(failures, key=lambda f: (f.time, f.rank))
+        # The waiting ranks' errors decide the exit code, never a rank the launcher
+        # stopped (its SIGTERM would read as 143, a signal the user sent).
+        waited = [f for f in failures if f.local_rank not in stopped] or failures
+        first = min(waited, key=lambda f: (f.time, f.rank))
         lines = _never_arrived(idle, failures)
     blamed = sorted(idle) if not own and idle else [first.rank]
     others = sorted(
