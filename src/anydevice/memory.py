@@ -8,7 +8,10 @@
 :func:`~anydevice.batch_size.fit_batch_size`, the largest batch that fits, builds on these.
 
 Reading memory never creates a CUDA context: the allocator's counters are read from torch
-(zeros before the process has used the GPU), free and total from NVML.
+(zeros before the process has used the GPU), free and total from NVML. Each device's
+readings are in :mod:`anydevice.memory_readings`; an accelerator beyond the named kinds
+(``npu``, ...) is read through ``torch.accelerator`` where its backend implements the
+allocator API, and is a ``MeasurementError`` saying so where it does not.
 
 >>> m = memory("cpu")
 >>> m.allocated > 0 and m.total >= m.free > 0
@@ -18,8 +21,6 @@ True
 from __future__ import annotations
 
 import contextvars
-import ctypes
-import functools
 import gc
 import os
 import sys
@@ -36,6 +37,17 @@ from anydevice.clocks import active_device, resolve_device, synchronize
 from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
 from anydevice.memory_history import History
+from anydevice.memory_readings import (
+    device_free_total,
+    empty_cache,
+    initialized,
+    is_generic,
+    peak_rss,
+    read,
+    reset_peak,
+    rss,
+    system_memory,
+)
 from anydevice.pinned import read_pinned, release_pinned
 from anydevice.selection import DeviceLike
 
@@ -51,115 +63,6 @@ __all__ = [
 FRAGMENTED_BYTES = 2**30
 #: ... and reserved at least this many times allocated.
 FRAGMENTED_RATIO = 2.0
-
-
-# ----------------------------------------------------------------------------- readings
-
-
-@dataclass(frozen=True)
-class _Counters:
-    """One reading of a device's counters, in bytes."""
-
-    allocated: int
-    reserved: int | None = None
-    peak: int | None = None
-    peak_reserved: int | None = None
-    retries: int | None = None
-    ooms: int | None = None
-
-
-def _caching_allocator(module: Any) -> Callable[[torch.device], _Counters]:
-    """torch.cuda and torch.xpu share the caching allocator and its counters' names."""
-
-    def read(device: torch.device) -> _Counters:
-        s = module.memory_stats(device)  # {} before the process used the device: no init
-        return _Counters(
-            allocated=int(s.get("allocated_bytes.all.current", 0)),
-            reserved=int(s.get("reserved_bytes.all.current", 0)),
-            peak=int(s.get("allocated_bytes.all.peak", 0)),
-            peak_reserved=int(s.get("reserved_bytes.all.peak", 0)),
-            retries=s.get("num_alloc_retries"),
-            ooms=s.get("num_ooms"),
-        )
-
-    return read
-
-
-def _rss() -> int:
-    """This process's resident bytes (``/proc/self/statm`` on Linux, psutil elsewhere)."""
-    if sys.platform.startswith("linux"):
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _peak_rss() -> int | None:
-    """The process's lifetime high-water mark of resident memory, kept by the kernel.
-
-    On Linux it is ``VmHWM`` of ``/proc/self/status``: the mark of this process's own
-    address space. ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a process started
-    from a large parent (a test runner, a notebook) would read the parent's size there.
-    """
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import resource
-    except ImportError:  # Windows
-        import psutil
-
-        return getattr(psutil.Process().memory_info(), "peak_wset", None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes / KiB
-
-
-def _cpu(device: torch.device) -> _Counters:
-    rss = _rss()
-    # The kernel's per-thread RSS counters are synced lazily, so the high-water mark can
-    # trail the current reading by a few pages.
-    return _Counters(allocated=rss, peak=max(rss, _peak_rss() or 0))
-
-
-def _mps(device: torch.device) -> _Counters:
-    return _Counters(
-        allocated=int(torch.mps.current_allocated_memory()),
-        reserved=int(torch.mps.driver_allocated_memory()),
-    )
-
-
-def _xla(device: torch.device) -> _Counters:
-    import torch_xla.core.xla_model as xm
-
-    info = xm.get_memory_info(device)
-    used = info.get("bytes_used", 1024 * (info.get("kb_total", 0) - info.get("kb_free", 0)))
-    peak = info.get("peak_bytes_used")
-    return _Counters(allocated=int(used), peak=None if peak is None else int(peak))
-
-
-def _readers() -> dict[str, Callable[[torch.device], _Counters]]:
-    return {
-        "cuda": _caching_allocator(torch.cuda),
-        "xpu": _caching_allocator(getattr(torch, "xpu", None)),
-        "mps": _mps,
-        "cpu": _cpu,
-        "xla": _xla,
-    }
-
-
-def _read(device: torch.device) -> _Counters:
-    reader = _readers().get(device.type)
-    if reader is None:
-        raise MeasurementError(
-            f"cannot read memory on {device}: anydevice knows the memory of cpu, cuda, mps, "
-            "xpu and xla devices."
-        )
-    return reader(device)
 
 
 def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
@@ -301,17 +204,17 @@ def memory(device: DeviceLike | None = "auto") -> MemoryStats:
         DeviceNotFoundError: no such device here.
     """
     dev = _resolve_memory_device(device)
-    c = _read(dev)
+    c = read(dev)
     notes: list[str] = []
     free: int | None
     total: int | None
     if dev.type == "cpu":
-        free, total = _system_memory()
+        free, total = system_memory()
         notes.append("allocated is the resident set size; peak the process's lifetime maximum")
     else:
-        free, total, more = _device_free_total(dev)
+        free, total, more = device_free_total(dev)
         notes += more
-        if dev.type in ("cuda", "xpu") and not _initialized(dev):
+        if dev.type in ("cuda", "xpu") and not initialized(dev):
             notes.append(f"this process has not used {dev.type} yet: its counters are zero")
         if dev.type == "mps":
             notes.append("MPS keeps no peak counter; track_memory() samples it")
@@ -335,48 +238,6 @@ def _pinned_fields() -> dict[str, int | None]:
     if pinned is None:
         return {}
     return {"pinned": pinned.held, "pinned_active": pinned.active}
-
-
-def _initialized(device: torch.device) -> bool:
-    module = getattr(torch, device.type, None)
-    return bool(module is not None and module.is_initialized())
-
-
-def _system_memory() -> tuple[int, int]:
-    from anydevice.backends import get
-
-    cpu = get("cpu").probe(telemetry=False).devices[0]
-    return int(cpu.memory_free or 0), int(cpu.memory_total or 0)
-
-
-def _device_free_total(device: torch.device) -> tuple[int | None, int | None, list[str]]:
-    from anydevice.backends import get
-
-    probe = get(device.type).probe(telemetry=False)
-    index = device.index if device.index is not None else 0
-    info = next((d for d in probe.devices if d.index == index), None)
-    free = None if info is None else info.memory_free
-    total = None if info is None else info.memory_total
-    if free is not None or device.type != "cuda":
-        return free, total, []
-    if torch.cuda.is_initialized() and _has_context(index):
-        free, total = (int(v) for v in torch.cuda.mem_get_info(index))
-        return free, total, ["free and total read from CUDA (NVML unavailable)"]
-    return (
-        None,
-        total,
-        [
-            f"free memory unknown: NVML is unavailable, and asking CUDA would create a context "
-            f"(~500 MB) on cuda:{index}; it is read once this process uses the device"
-        ],
-    )
-
-
-def _has_context(index: int) -> bool:
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private, but it only looks
-    if has is not None:
-        return bool(has(index))
-    return int(torch.cuda.memory_reserved(index)) > 0
 
 
 # ----------------------------------------------------------------------------- track_memory
@@ -454,8 +315,9 @@ def track_memory(
 ) -> Iterator[MemoryUsage]:
     """Track the peak and the net change of memory during a block.
 
-    **CUDA and XPU**: the caching allocator's peak counter is reset on entry and read on
-    exit, so the peak is exact. torch can reset that counter but not set it, so after the
+    **CUDA, XPU and other accelerators with allocator counters** (read through
+    ``torch.accelerator``): the caching allocator's peak counter is reset on entry and
+    read on exit, so the peak is exact. torch can reset that counter but not set it, so after the
     block ``torch.cuda.max_memory_allocated()`` counts from the block's start; enclosing
     ``track_memory`` blocks are not affected (an inner block reports its peak, and the
     peak before it, to them), so their peak stays the maximum over their whole block.
@@ -493,19 +355,18 @@ def track_memory(
         raise ValueError(f"interval must be > 0 seconds, not {interval}")
     dev = _resolve_memory_device(device)
     history = None if snapshot is None else History(dev, snapshot)  # refuses before anything
-    counted = dev.type in ("cuda", "xpu")
+    counted = dev.type in ("cuda", "xpu") or is_generic(dev)
     if counted:
-        before = _read(dev)
+        before = read(dev)
         usage = MemoryUsage(dev, before.allocated, "read from the allocator's peak counter")
         previous_peak = before.peak or 0
-        if _initialized(dev):
-            getattr(torch, dev.type).reset_peak_memory_stats(dev)
+        reset_peak(dev)
         sampler = None
     else:
         current = _Reader(dev)
         usage = MemoryUsage(dev, current(), "")
         previous_peak = 0
-        high_water = _peak_rss() if dev.type == "cpu" else None
+        high_water = peak_rss() if dev.type == "cpu" else None
         sampler = _Sampler(current, interval)
     token = _open.set((*_open.get(), usage))
     if history is not None:
@@ -517,7 +378,7 @@ def track_memory(
         if history is not None:
             usage.snapshot = history.stop()
         if sampler is None:
-            after = _read(dev)
+            after = read(dev)
             usage._end = after.allocated
             usage._peak = max(after.peak or 0, usage._inner_peak, usage.start, after.allocated)
             usage.exact = True
@@ -526,7 +387,7 @@ def track_memory(
             sampled = sampler.stop()
             usage._end = current()
             current.close()
-            new_high = _peak_rss() if dev.type == "cpu" else None
+            new_high = peak_rss() if dev.type == "cpu" else None
             if high_water is not None and new_high is not None and new_high > high_water:
                 usage._peak, usage.exact = new_high, True
                 usage.method = "exact: the block set the process's high-water mark"
@@ -554,8 +415,8 @@ class _Reader:
         if self._fd is not None:
             return int(os.pread(self._fd, 64, 0).split()[1]) * self._page
         if self.device.type == "cpu":
-            return _rss()
-        return _read(self.device).allocated
+            return rss()
+        return read(self.device).allocated
 
     def close(self) -> None:
         if self._fd is not None:
@@ -610,7 +471,7 @@ def free_memory(device: DeviceLike | None = None) -> int:
     before = held()
     gc.collect()
     synchronize(dev)  # blocks still in use by queued work are not released
-    _empty_cache(dev)
+    empty_cache(dev)
     pinned = release_pinned()
     return max(0, before - held()) + (pinned if dev.type != "cpu" else 0)
 
@@ -618,31 +479,10 @@ def free_memory(device: DeviceLike | None = None) -> int:
 def _held_reader(device: torch.device) -> Callable[[], int]:
     """What giving memory back lowers: resident memory (CPU), reserved memory (others)."""
     if device.type == "cpu":
-        return _rss
+        return rss
 
     def held() -> int:
-        c = _read(device)
+        c = read(device)
         return c.reserved if c.reserved is not None else c.allocated
 
     return held
-
-
-def _empty_cache(device: torch.device) -> None:
-    if device.type == "cpu":
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
-    elif device.type in ("cuda", "xpu", "mps"):
-        getattr(torch, device.type).empty_cache()  # each is a no-op before first use
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # musl and others: nothing to trim with
-        return None
-    trim = getattr(libc, "malloc_trim", None)
-    return None if trim is None else lambda pad: int(trim(ctypes.c_size_t(pad)))
