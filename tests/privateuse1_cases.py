@@ -10,6 +10,7 @@ needs those is skipped here, saying so. Nothing is registered when this file is 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-NAME = "npy"
+#: The backend's name: ``ANYDEVICE_TEST_BACKEND`` runs the same cases under another one.
+NAME = os.environ.get("ANYDEVICE_TEST_BACKEND", "npy")
 
 
 def _register() -> Any:
@@ -94,7 +96,7 @@ def test_named_and_indexed() -> None:
 def test_bad_index_lists_what_is_here() -> None:
     import anydevice as ad
 
-    expected = rf"'{NAME}:3'.*1 NPY device is visible.*{NAME}:0"
+    expected = rf"'{NAME}:3'.*1 {NAME.upper()} device is visible.*{NAME}:0"
     with pytest.raises(ad.DeviceNotFoundError, match=expected):
         ad.device(f"{NAME}:3")
 
@@ -102,8 +104,10 @@ def test_bad_index_lists_what_is_here() -> None:
 def test_misspelt_name_suggests_it() -> None:
     import anydevice as ad
 
-    with pytest.raises(ad.DeviceSpecError, match=rf"Did you mean '{NAME}'\?.*{NAME}\[:i\]"):
-        ad.device("npx")
+    misspelt = NAME[:-1] + "x"
+    with pytest.raises(ad.DeviceSpecError, match=rf"Did you mean '{NAME}'\?.*{NAME}\[:i\]") as e:
+        ad.device(misspelt)
+    assert str(e.value).count(f"{NAME}[:i]") == 1, "each kind is listed once"
 
 
 def test_inventory_lists_it() -> None:
@@ -144,6 +148,40 @@ def test_device_loader_moves_batches() -> None:
         for (a, c), (b, d) in zip(seen, batches, strict=True)
     )
     assert loader.stats.batches == 4
+
+
+def test_device_loader_copies_on_the_backends_copy_stream(caplog: Any) -> None:
+    import logging
+
+    import anydevice as ad
+    from anydevice import copies, streams
+
+    dev = torch.device(NAME, 0)
+    copier = copies.copier_for(dev)
+    assert copier is not None, "a backend with torch.Stream gets a copy stream"
+    assert isinstance(copier.stream, torch.Stream) and copier.stream.device == dev
+    assert copier.stream is streams.copy_stream(dev)  # one per device, for the process
+    assert copier.times is None  # its events order but cannot time (no elapsedTime)
+    batches = [{"x": torch.full((3,), float(i)), "i": torch.tensor([i])} for i in range(5)]
+    loader = ad.DeviceLoader(batches, NAME, transform=lambda b: {**b, "y": b["x"].detach()})
+    with caplog.at_level(logging.INFO, logger="anydevice"):
+        got = [ad.to(b, "cpu") for b in loader]
+    assert [int(b["i"]) for b in got] == list(range(5))
+    assert all(torch.equal(b["y"], s["x"]) for b, s in zip(got, batches, strict=True))
+    stats = loader.stats
+    # The pinning thread tried, the backend has no pinned allocator: said, not hidden.
+    assert stats.pinned is False and stats.copy_seconds is None
+    assert stats.bytes_moved == sum(3 * 4 + 8 for _ in batches)
+    assert f"{NAME} cannot pin host memory" in caplog.text
+
+
+def test_memory_says_what_the_backend_lacks() -> None:
+    import anydevice as ad
+
+    with pytest.raises(ad.MeasurementError, match=f"{NAME} backend keeps no allocator stat"):
+        ad.memory(NAME)
+    with pytest.raises(ad.MeasurementError, match="ad.inventory"), ad.track_memory(NAME):
+        pass
 
 
 def test_timed_with_a_warning_where_it_cannot_wait() -> None:
@@ -199,3 +237,14 @@ def test_side_stream_through_torch_stream() -> None:
         pass
     assert again is s  # one side stream per device, reused
     assert torch.equal(y, torch.ones(3))
+
+
+def test_a_backend_named_tpu_is_not_taken_for_torch_xla() -> None:
+    import anydevice as ad
+
+    if NAME == "tpu":
+        here = torch.device("tpu", 0)
+        assert ad.device("tpu") == here and ad.device("TPU:0") == here
+    else:  # the alias stands: 'tpu' means torch_xla's device, absent here
+        with pytest.raises(ad.DeviceNotFoundError, match="xla"):
+            ad.device("tpu")

@@ -7,6 +7,7 @@ it is, and checks what holds without the backend.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -20,10 +21,14 @@ from anydevice import backends
 from anydevice.backends import generic
 
 CASES = Path(__file__).with_name("privateuse1_cases.py")
+OPENREG = Path(__file__).with_name("openreg_cases.py")
 
 
-def test_python_privateuse1_backend_in_a_child_process() -> None:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+@pytest.mark.parametrize("name", ["npy", "tpu"])
+def test_python_privateuse1_backend_in_a_child_process(name: str) -> None:
+    """The same cases under two names: ``tpu`` also checks that a backend of that name (a
+    native TPU backend) is taken for itself, not for torch_xla's device."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "ANYDEVICE_TEST_BACKEND": name}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider"],
         capture_output=True,
@@ -34,9 +39,31 @@ def test_python_privateuse1_backend_in_a_child_process() -> None:
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "10 passed" in out, out
+    assert "13 passed" in out, out
     # What the python backend cannot do is skipped, each with torch's own reason.
     assert "cannot synchronise" in out and "no device allocator" in out, out
+
+
+def test_openreg_backend_in_a_child_process() -> None:
+    """torch's C++ reference backend: real streams, timing events, pinned memory and
+    allocator counters (``tests/openreg_cases.py``)."""
+    if importlib.util.find_spec("torch_openreg") is None:
+        pytest.skip(
+            "torch's OpenReg backend (torch_openreg) is not installed: it is built from "
+            "torch's source tree, test/cpp_extensions/open_registration_extension"
+        )
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(OPENREG), "-q", "-rs", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "6 passed" in out, out
 
 
 def test_no_generic_accelerator_without_one() -> None:

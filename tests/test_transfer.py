@@ -230,6 +230,19 @@ def test_blocking_collection_times_everything_and_frees_only_what_was_handed_out
     assert times.seconds == pytest.approx(0.0)
 
 
+def test_without_reuse_every_copy_gets_new_events_and_finished_ones_are_dropped():
+    # Backends whose wait reads the event late (OpenReg) could deadlock on a re-record.
+    times = CopyTimes(Event, reuse=False)
+    a = times.take()
+    finish(a, 3.0)
+    times.handed_out(a)
+    b = times.take()  # a is finished and handed out: CUDA's CopyTimes would hand it back
+    assert b is not a and {id(b.start), id(b.end)}.isdisjoint({id(a.start), id(a.end)})
+    times.collect(block=True)
+    assert times.free == [] and times.pending == [b]
+    assert times.seconds == pytest.approx(0.003)
+
+
 def record(slot) -> None:
     """What the loader does with a pair it took: record both events anew (not complete)."""
     for e in (slot.start, slot.end):

@@ -30,6 +30,7 @@ __all__ = [
     "in_use",
     "resolve_device",
     "synchronize",
+    "xla_step",
 ]
 
 #: Bytes zeroed to flush a cache when its size cannot be read (triton's choice).
@@ -57,13 +58,35 @@ def synchronize(device: torch.device | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "xla":
-        import torch_xla.core.xla_model as xm  # only where torch_xla is installed
-
-        xm.wait_device_ops()
+        _synchronize_xla()
     elif device.type in ("mps", "xpu"):
         torch.accelerator.synchronize(device)
     else:  # any other accelerator torch knows (npu, ...): where its backend can
         _synchronize_generic(device)
+
+
+def xla_step() -> None:
+    """Cut torch_xla's lazy graph here and run it: ``torch_xla.sync()`` (``mark_step``
+    before torch_xla 2.6). What a training step on XLA ends with."""
+    import torch_xla  # only where torch_xla is installed
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:  # torch_xla < 2.6
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+def _synchronize_xla() -> None:
+    """Run what is traced on XLA and wait for it: ``wait_device_ops`` alone waits only for
+    graphs already sent, and ops since the last graph cut are not sent until one, so a
+    timer around them would measure their tracing (a 4096³ matmul "took" 6 µs)."""
+    import torch_xla.core.xla_model as xm
+
+    xla_step()
+    xm.wait_device_ops()
 
 
 def _synchronize_generic(device: torch.device) -> None:
@@ -214,14 +237,40 @@ class _HostClock:
         return out
 
 
+class _XlaClock(_HostClock):
+    """The host clock on XLA, with the lazy graph cut after every call.
+
+    torch_xla traces ops and runs, at a graph cut, only what live tensors need: a call whose
+    result is dropped before the cut is never computed. So each call's result is kept until
+    the graph is cut right after it (one graph per call, as one per training step), and the
+    device is waited for at the end of the sample.
+    """
+
+    def measure(self, fn: Callable[[], object], number: int) -> float:
+        synchronize(self.device)
+        t0 = self.now()
+        for _ in itertools.repeat(None, number):
+            result = fn()
+            xla_step()  # runs what ``result`` needs while it is still alive
+            del result
+        synchronize(self.device)
+        return self.now() - t0
+
+
 class _EventClock:
     """Timing events on one stream; the host waits once, after the last sample.
 
     Through ``torch.Event`` and ``torch.accelerator`` for XPU and any other accelerator
-    whose events time (see :func:`_event_stream`); CUDA is :class:`_CudaEventClock`.
+    whose events time (see :func:`_event_stream`); CUDA is :class:`_CudaEventClock`. Each
+    event is recorded once and every one is waited for: a backend need not keep an event's
+    state straight across re-records (torch's OpenReg backend, which runs each stream on a
+    thread of its own, then failed one run in five with "Both events must be completed").
     """
 
     name = "event"
+    #: Record each event once before timing, so its creation stays out of the timed window
+    #: (CUDA creates an event's handle on its first record); re-records it then.
+    _prime = False
 
     def __init__(self, device: torch.device, stream: torch.Stream) -> None:
         self.device = device
@@ -231,7 +280,9 @@ class _EventClock:
         return torch.Event(enable_timing=True)
 
     def _wait(self, pairs: list[tuple[Any, Any]]) -> None:
-        pairs[-1][1].synchronize()  # in order on one stream: the last end is the last event
+        for start, end in pairs:
+            start.synchronize()
+            end.synchronize()
 
     def measure(self, fn: Callable[[], object], number: int) -> float:
         return self.run(fn, number, 1, None)[0]
@@ -240,9 +291,10 @@ class _EventClock:
         self, fn: Callable[[], object], number: int, repeat: int, flush: Callable[[], None] | None
     ) -> list[float]:
         pairs = [(self._event(), self._event()) for _ in range(repeat)]
-        for start, end in pairs:  # creates the events now, not inside a timed window
-            start.record(self.stream)
-            end.record(self.stream)
+        if self._prime:
+            for start, end in pairs:  # creates the events now, not inside a timed window
+                start.record(self.stream)
+                end.record(self.stream)
         for start, end in pairs:
             if flush is not None:
                 flush()  # queued before the start event: outside the timed window
@@ -258,6 +310,7 @@ class _CudaEventClock(_EventClock):
     """CUDA events on the current stream; the host waits for the device once, at the end."""
 
     name = "cuda-event"
+    _prime = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, torch.cuda.current_stream(device))
@@ -294,6 +347,9 @@ def _event_stream(device: torch.device) -> torch.Stream | None:
 
 
 def clock_for(device: torch.device, clock: Callable[[], float] | None) -> _Clock:
+    if device.type == "xla":
+        now = clock or time.perf_counter
+        return _XlaClock(device, now, clock_name(now))
     if clock is not None:
         return _HostClock(device, clock, clock_name(clock))
     if device.type == "cuda":

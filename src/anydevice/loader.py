@@ -29,8 +29,15 @@ at hand-out: the allocator then keeps the block until ``s`` is past the point wh
 was freed. One copy stream per device means one pool: reserved memory stays flat across
 epochs, also for a loader built anew every epoch.
 
-On other accelerators (MPS, XLA, XPU) the background thread still fetches ahead and the
-move is a plain ``anydevice.to``. On the CPU there is nothing to copy, so by default no
+XPU and any other accelerator torch knows with streams get the same ordering through
+``torch.Stream``/``torch.Event`` and ``torch.accelerator`` (:mod:`anydevice.copies`);
+the home stream is then the one current when the pass starts, torch's generic API having
+no default stream, and a batch read on another stream makes that stream a home too
+instead of a ``record_stream`` (which not every backend has). On MPS and XLA the
+background thread still fetches ahead and the move is a plain ``anydevice.to``; on XLA
+each batch after the first also ends the step before it (``torch_xla.sync()``), as
+torch_xla's ``MpDeviceLoader`` does, so the lazy graph is cut and run once per step
+instead of growing over the epoch. On the CPU there is nothing to copy, so by default no
 thread either: a batch costs a few microseconds more than iterating the source itself.
 """
 
@@ -44,13 +51,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-import torch
-
+from anydevice.clocks import xla_step
+from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as resolve_device
-from anydevice.streams import copy_stream
-from anydevice.transfer import CopyTimes, Slot, keep_for, nbytes_off, pin_leaves
+from anydevice.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 
 __all__ = ["DeviceLoader", "LoaderStats"]
 
@@ -67,7 +73,8 @@ class LoaderStats:
     """How a pass over a :class:`DeviceLoader` went: is the step waiting for data?
 
     Times are seconds of wall clock on the consuming thread. ``copy_seconds`` is device
-    time of the host-to-device copies (CUDA events), None where it is not measured.
+    time of the host-to-device copies (events on the copy stream), None where it is not
+    measured (no copy stream, or events that cannot time).
     """
 
     batches: int
@@ -77,7 +84,7 @@ class LoaderStats:
     copy_seconds: float | None
     device: str
     num_workers: int | None  #: the source DataLoader's, None for other sources
-    pinned: bool | None  #: whether the source delivered pinned batches (CUDA only)
+    pinned: bool | None  #: whether the source delivered pinned batches (copy streams only)
 
     @property
     def wait_fraction(self) -> float:
@@ -140,20 +147,21 @@ class _Counters:
         self.start: float | None = None
         self.last = 0.0
         self.pinned: bool | None = None
-        self.times = times  #: CUDA copy timings, None elsewhere
+        self.times = times  #: copy timings, None where copies are not timed
 
 
 class DeviceLoader(Generic[T]):
     """Wrap any iterable of batches so each batch arrives on ``device``.
 
     ``len()``, re-iteration once per epoch and ``set_epoch`` work as on the source, and any
-    other attribute is the source's (``loader.dataset``, ``loader.sampler``). On CUDA
-    the next batch is pinned off the main thread and copied on a copy stream while the
-    current one computes (see the module docstring for why that is safe); elsewhere the
-    next batch is fetched ahead and moved with :func:`anydevice.to`.
+    other attribute is the source's (``loader.dataset``, ``loader.sampler``). On CUDA,
+    XPU and any accelerator with streams the next batch is pinned off the main thread and
+    copied on a copy stream while the current one computes (see the module docstring for
+    why that is safe); elsewhere the next batch is fetched ahead and moved with
+    :func:`anydevice.to` (on XLA, ending each step as torch_xla's ``MpDeviceLoader`` does).
 
-    On CUDA a batch is ready for the stream that is current when the loop asks for it
-    (``with torch.cuda.stream(s): for batch in loader: ...`` works): read it on that
+    With a copy stream, a batch is ready for the stream that is current when the loop asks
+    for it (``with torch.cuda.stream(s): for batch in loader: ...`` works): read it on that
     stream, or order any other stream after it and ``record_stream`` there, as for any
     tensor made on one stream and used on another.
 
@@ -166,8 +174,8 @@ class DeviceLoader(Generic[T]):
         loader: a DataLoader or any iterable of batches (tensors, nested containers,
             dataclasses, objects with ``.to``).
         device: any device spec; resolved once, here.
-        transform: called on each batch after it reached the device (on the copy stream on
-            CUDA), e.g. ``lambda b: (b[0].float() / 255, b[1])``: send uint8, get float.
+        transform: called on each batch after it reached the device (on the copy stream where
+            there is one), e.g. ``lambda b: (b[0].float() / 255, b[1])``: send uint8, get float.
         prefetch: fetch the next batch in a background thread. ``"auto"``: on
             accelerators, where the thread pins batches and overlaps their copy with
             compute; not on the CPU, where there is no copy to hide and the thread only
@@ -331,11 +339,12 @@ _ERROR = object()  # the producer raised
 
 
 class _Producer:
-    """A thread that takes batches from the source and, for CUDA, pins them."""
+    """A thread that takes batches from the source and, where copies are asynchronous,
+    pins them."""
 
-    def __init__(self, source: Iterator[Any], pin_device: torch.device | None, depth: int):
+    def __init__(self, source: Iterator[Any], copier: Copier | None, depth: int):
         self.source = source
-        self.pin_device = pin_device
+        self.copier = copier
         self.queue: queue.Queue[tuple[object, Any, int, bool | None]] = queue.Queue(depth)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="anydevice-prefetch", daemon=True)
@@ -352,14 +361,15 @@ class _Producer:
 
     def _run(self) -> None:
         try:
-            if self.pin_device is not None:
-                torch.cuda.set_device(self.pin_device)  # else pinning makes a context on GPU 0
+            copier = self.copier
+            if copier is not None:
+                copier.set_device()  # else pinning makes a context on device 0
             for batch in self.source:
                 if self.stop.is_set():
                     return
                 nbytes, pinned = 0, None
-                if self.pin_device is not None:
-                    batch, nbytes, pinned = pin_leaves(batch, self.pin_device)
+                if copier is not None:
+                    batch, nbytes, pinned = pin_leaves(batch, copier.device, copier.pin)
                 if not self._put((batch, None, nbytes, pinned)):
                     return
             self._put((_END, None, 0, None))
@@ -395,27 +405,21 @@ class _Pass:
     def __init__(self, owner: DeviceLoader[Any]) -> None:
         self.owner = owner
         self.device = owner.device
-        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        if self.cuda and self.device.index is None:  # compared with tensors' devices below
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stream: Any = None
-        self.default: Any = None
-        times = None
-        if self.cuda:
-            # One copy stream per device for the whole process, never per loader or pass:
-            # each stream has its own allocator pool.
-            self.stream = copy_stream(self.device)
-            self.default = torch.cuda.default_stream(self.device)
-            times = CopyTimes(lambda: torch.cuda.Event(enable_timing=True))
-        self.counters = _Counters(times)
+        # CUDA's streams, or torch.Stream's (XPU, ...); None: moves are synchronous. Its
+        # copy stream is one per device for the whole process, never per loader or pass:
+        # each stream has its own allocator pool.
+        self.copier = copier_for(self.device)
+        if self.copier is not None:
+            self.device = self.copier.device  # with its index: compared with tensors' below
+        self.xla = self.device.type == "xla"
+        self.counters = _Counters(None if self.copier is None else self.copier.times)
         self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
         self.done = False
         self.error: BaseException | None = None  # raised by the source after batch k was issued
         self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
         self.producer: _Producer | None = None
         if owner.prefetch:
-            pin = self.device if self.cuda else None
-            self.producer = _Producer(self.source, pin, owner.depth)
+            self.producer = _Producer(self.source, self.copier, owner.depth)
 
     # -- fetching on the host
 
@@ -435,7 +439,7 @@ class _Pass:
                 batch = next(self.source)
             except StopIteration:
                 return _END, 0, None
-            if self.cuda:  # no pinning on the main thread: it costs more than it saves
+            if self.copier is not None:  # no pinning on the main thread: it costs more
                 return batch, nbytes_off(batch, self.device), False
             return batch, 0, None
         finally:
@@ -454,7 +458,8 @@ class _Pass:
         c.bytes_moved += nbytes
         if pinned is not None:
             c.pinned = pinned if c.pinned is None else (c.pinned and pinned)
-        if c.times is None:
+        copier = self.copier
+        if copier is None:
             moved = to(batch, self.device)
             if self.owner.transform is not None:
                 moved = self.owner.transform(moved)
@@ -462,33 +467,34 @@ class _Pass:
                 c.bytes_moved += nbytes_off(batch, self.device)
             self.ready = (moved, None)
             return
-        stream = self.stream
-        slot = c.times.take()
-        # Memory the consumer freed on the default stream may be reused below: only after
-        # what is queued there now (its last reads). Nothing else is waited for.
-        stream.wait_stream(self.default)
+        stream = copier.stream
+        slot = copier.slot()
+        # Memory the consumer freed on its home streams may be reused below: only after
+        # what is queued there now (its last reads).
+        copier.wait_for_homes()
         try:
-            with torch.cuda.stream(stream):
-                slot.start.record(stream)
+            with copier.enter(stream):
+                if slot.start is not None:
+                    slot.start.record(stream)
                 moved = to(batch, self.device, non_blocking=True)
                 if self.owner.transform is not None:
                     moved = self.owner.transform(moved)
                 slot.end.record(stream)
         except BaseException:
-            c.times.discard(slot)  # its events time nothing
+            copier.discard(slot)  # its events order and time nothing
             raise
         self.ready = (moved, slot)
 
     def _hand_out(self, batch: Any, slot: Slot) -> None:
         """Order the consumer's stream (the current one) after the batch's copy, keep its
         memory for that stream, and release the event pair for reuse."""
-        consumer = torch.cuda.current_stream(self.device)
+        copier = self.copier
+        assert copier is not None  # a slot is only made with a copier
+        consumer = copier.current()
         consumer.wait_event(slot.end)
-        if consumer != self.default:
-            keep_for(batch, consumer, self.device)
-        times = self.counters.times
-        if times is not None:
-            times.handed_out(slot)
+        if consumer != copier.home:
+            copier.keep(batch, consumer)
+        copier.handed_out(slot)
 
     def next(self) -> Any:
         if self.error is not None:
@@ -504,6 +510,8 @@ class _Pass:
         self.ready = None
         if slot is not None:
             self._hand_out(batch, slot)  # before batch k+1 is issued: see the module docstring
+        elif self.xla and self.counters.batches:
+            xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
         try:
             self._issue()  # batch k+1 starts moving while batch k computes
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time

@@ -59,6 +59,8 @@ logger = logging.getLogger("anydevice")
 DeviceLike = torch.device | str | int
 
 _KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
+#: "tpu" is torch_xla's device, unless torch has a backend of that name (a native TPU
+#: backend, which torch_xla's successor is planned to be: pytorch/xla#9684).
 _ALIASES = {"tpu": "xla"}
 _GPU_KINDS = ("cuda", "xpu", "mps")
 _INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
@@ -110,7 +112,9 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
     if text.isdigit():
         return Spec("gpu", int(text), spec, source)
     kind, sep, index_text = text.partition(":")
-    kind = _check_kind(_ALIASES.get(kind, kind), spec, source)
+    if kind in _ALIASES and kind not in _generic_kinds():  # a backend named "tpu" is itself
+        kind = _ALIASES[kind]
+    kind = _check_kind(kind, spec, source)
     if not sep:
         return Spec(kind, None, spec, source)
     if not re.fullmatch(r"[+-]?\d+", index_text.strip()):

@@ -42,7 +42,7 @@ import torch
 
 from anydevice.selection import DeviceLike
 
-__all__ = ["copy_stream", "side_stream", "stream_for"]
+__all__ = ["copy_stream", "generic_stream_device", "side_stream", "stream_for"]
 
 #: What a cached stream is for: ``side_stream()``'s, or the loaders' copies.
 Role = Literal["side", "copy"]
@@ -119,13 +119,20 @@ _SIDES = StreamCache(_new_side)
 
 def _new_generic_side(index: int, priority: int) -> _Side:
     kind = _stream_kind()
-    assert kind is not None  # only made for a device _generic_device accepted
+    assert kind is not None  # only made for a device generic_stream_device gave
     return _Side(torch.Stream(torch.device(kind, index), priority=priority))
+
+
+def _new_generic_stream(index: int, priority: int) -> torch.Stream:
+    kind = _stream_kind()
+    assert kind is not None  # only made for a device generic_stream_device gave
+    return torch.Stream(torch.device(kind, index), priority=priority)
 
 
 # XPU and other accelerators with streams: only torch's current accelerator type has them
 # through torch.Stream and torch.accelerator, so the device index is the whole key.
 _GENERIC_SIDES = StreamCache(_new_generic_side)
+_GENERIC_STREAMS = StreamCache(_new_generic_stream)
 
 
 def _stream_kind() -> str | None:
@@ -140,8 +147,10 @@ def _stream_kind() -> str | None:
     return kind
 
 
-def _generic_device(device: DeviceLike | None) -> torch.device | None:
-    """The stream-capable non-CUDA device ``device`` means, or None (no side stream)."""
+def generic_stream_device(device: DeviceLike | None) -> torch.device | None:
+    """The stream-capable non-CUDA device ``device`` means, with its index; None when it
+    has no streams here (the CPU, MPS, XLA, CUDA, or a kind that is not torch's current
+    accelerator)."""
     kind = _stream_kind()
     if kind is None or not torch.accelerator.is_available():
         return None
@@ -179,14 +188,19 @@ def stream_for(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     return _SIDES.get(_index(device), priority, "side").stream  # type: ignore[no-any-return]
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every :class:`~anydevice.DeviceLoader` on a CUDA ``device`` copies on.
+def copy_stream(device: torch.device) -> torch.cuda.Stream | torch.Stream:
+    """The stream every :class:`~anydevice.DeviceLoader` on ``device`` copies on.
 
     One per device for the whole process, apart from :func:`side_stream`'s, so that copies
     never queue behind work a user put on a side stream, and a loader built per epoch
-    reuses the blocks the previous one freed (one allocator pool, not one per epoch).
+    reuses the blocks the previous one freed (one allocator pool, not one per epoch). A
+    ``torch.cuda.Stream`` on CUDA; a ``torch.Stream`` on XPU and any other accelerator
+    with streams (``device`` as :func:`generic_stream_device` gives it).
     """
-    return _STREAMS.get(_index(device), 0, "copy")  # type: ignore[no-any-return]
+    if device.type == "cuda":
+        return _STREAMS.get(_index(device), 0, "copy")  # type: ignore[no-any-return]
+    assert device.index is not None  # generic_stream_device() always gives the index
+    return _GENERIC_STREAMS.get(device.index, 0, "copy")  # type: ignore[no-any-return]
 
 
 @contextmanager
@@ -219,7 +233,7 @@ def side_stream(
     """
     dev = _cuda_device(device)
     if dev is None:
-        generic = _generic_device(device)
+        generic = generic_stream_device(device)
         if generic is None:
             yield None
             return

@@ -47,13 +47,19 @@ class CopyTimes:
     call — *and* its copy has finished (its time is read). Re-recording an event still to
     be waited on would make the consumer wait for a later copy instead of its own.
 
+    With ``reuse=False`` every copy gets a new pair and finished pairs are dropped: for
+    backends whose wait reads the event when the waiting stream gets to it, not when the
+    wait was issued (torch's OpenReg backend), where re-recording an event that a stream is
+    yet to wait on can deadlock that stream against the copy stream. CUDA reuses.
+
     The events are any objects with ``query()``, ``synchronize()`` and
     ``elapsed_time(end)`` in milliseconds; ``make_event`` creates one. The bookkeeping is
     tested on the CPU with plain objects of that shape.
     """
 
-    def __init__(self, make_event: Callable[[], _Event]) -> None:
+    def __init__(self, make_event: Callable[[], _Event], *, reuse: bool = True) -> None:
         self._make = make_event
+        self.reuse = reuse
         self.seconds = 0.0  #: device seconds of the copies timed so far
         self.pending: list[Slot] = []  #: issued, not yet back on the free list
         self.free: list[Slot] = []
@@ -86,7 +92,8 @@ class CopyTimes:
                     self.seconds += slot.start.elapsed_time(slot.end) / 1000.0
                     slot.timed = True
             if slot.timed and slot.handed_out:
-                self.free.append(slot)
+                if self.reuse:
+                    self.free.append(slot)
             else:
                 keep.append(slot)
         self.pending = keep

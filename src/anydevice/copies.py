@@ -1,0 +1,188 @@
+"""The streams and events a :class:`~anydevice.DeviceLoader` pass copies with.
+
+The loader's ordering (see :mod:`anydevice.loader`) needs five things of a device: a copy
+stream, the streams the consumer frees memory on (its *homes*), the stream current now,
+events to record after each copy, and pinned host memory. CUDA has them as
+``torch.cuda.Stream``/``Event``; XPU and any other accelerator torch knows with streams
+have them as ``torch.Stream``/``torch.Event`` and ``torch.accelerator``. :func:`copier_for`
+gives either behind one :class:`Copier`, or None where a move is a plain synchronous
+``to`` (the CPU, MPS, XLA, a backend without streams).
+
+What a backend lacks is left out, not faked: events that cannot time (no
+``elapsedTime``) still order the copies, with ``copy_seconds`` None; a backend that cannot
+pin host memory gets pageable copies, and the stats say the batches were not pinned.
+
+A batch read on a stream other than the home: CUDA marks its tensors with
+``record_stream`` (the allocator then holds their blocks until that stream is past the
+free). Through ``torch.Stream`` the consumer's stream becomes one more home instead: every
+later copy waits for it before allocating, so a block freed after reads queued there is
+reused only after them. That needs no ``record_stream``, which backends do not all have
+(torch's OpenReg test backend has none), and costs no overlap: the copy of batch k+1 then
+waits for the compute of batch k-1, as it waits on the default stream on CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from anydevice.streams import copy_stream, generic_stream_device
+from anydevice.transfer import CopyTimes, Slot, keep_for
+
+__all__ = ["Copier", "copier_for"]
+
+logger = logging.getLogger("anydevice")
+
+#: What a backend raises for an operation it does not implement.
+_UNSUPPORTED = (RuntimeError, NotImplementedError)
+
+
+class Copier:
+    """One pass's copy stream, the stream it is ordered after, and an event pair per batch.
+
+    Args:
+        device: the device copied to, with its index.
+        stream: the copy stream (one per device for the process: :func:`copy_stream`).
+        home: the stream the consumer frees batches on; each copy waits for it first.
+        record: mark a batch handed out on another stream with ``record_stream`` (CUDA);
+            else that stream joins the homes every later copy waits for.
+        current: the stream current on the calling thread now (the consumer's).
+        enter: makes a stream current for a block.
+        times: event pairs that time each copy, or None where events cannot time.
+        event: an event that only orders (used when ``times`` is None).
+        set_device: makes ``device`` current on the calling thread (the pinning thread).
+        pins_surely: pinning is part of the backend (CUDA): a failure to pin is an error,
+            not a backend without pinned memory.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        stream: Any,
+        home: Any,
+        current: Callable[[], Any],
+        enter: Callable[[Any], AbstractContextManager[Any]],
+        times: CopyTimes | None,
+        event: Callable[[], Any],
+        set_device: Callable[[], None],
+        *,
+        record: bool = False,
+        pins_surely: bool = False,
+    ) -> None:
+        self.device = device
+        self.stream = stream
+        self.home = home
+        self.homes = [home]  #: few: the home, and each other stream a batch was read on
+        self.record = record
+        self.current = current
+        self.enter = enter
+        self.times = times
+        self._event = event
+        self.set_device = set_device
+        self._pins = True  #: host memory can be pinned for this device (until it fails)
+        self._pins_surely = pins_surely
+
+    def wait_for_homes(self) -> None:
+        """Order the copy stream after what is queued on every home now (their last reads
+        of the batches they freed). Nothing else is waited for."""
+        for home in self.homes:
+            self.stream.wait_stream(home)
+
+    def keep(self, batch: Any, consumer: Any) -> None:
+        """Keep ``batch``'s memory for ``consumer``, a stream that is not the home."""
+        if self.record:
+            keep_for(batch, consumer, self.device)
+        elif all(consumer != h for h in self.homes):
+            self.homes.append(consumer)
+
+    def slot(self) -> Slot:
+        """The events for the next copy: a timing pair, else a fresh ordering event."""
+        if self.times is not None:
+            return self.times.take()
+        return Slot(None, self._event())
+
+    def discard(self, slot: Slot) -> None:
+        """The copy for ``slot`` was never issued."""
+        if self.times is not None:
+            self.times.discard(slot)
+
+    def handed_out(self, slot: Slot) -> None:
+        """The consumer's stream has issued its wait on ``slot.end``."""
+        if self.times is not None:
+            self.times.handed_out(slot)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in pinned memory, or ``t`` itself where the backend cannot pin (said once)."""
+        if self._pins_surely:
+            return t.pin_memory()
+        if not self._pins:
+            return t
+        try:
+            return t.pin_memory()
+        except _UNSUPPORTED as e:
+            self._pins = False
+            logger.info(
+                "%s cannot pin host memory (%s): batches are copied from pageable memory",
+                self.device.type,
+                str(e).splitlines()[0],
+            )
+            return t
+
+
+def copier_for(device: torch.device) -> Copier | None:
+    """The :class:`Copier` for ``device``, or None where moves are synchronous."""
+    if device.type == "cuda":
+        return _cuda(device) if torch.cuda.is_available() else None
+    generic = generic_stream_device(device)
+    if generic is None:
+        return None
+    try:
+        return _generic(generic)
+    except _UNSUPPORTED as e:  # the backend names streams but cannot make them
+        logger.info("no copy stream on %s (%s): batches are moved synchronously", generic, e)
+        return None
+
+
+def _cuda(device: torch.device) -> Copier:
+    if device.index is None:  # compared with tensors' devices by the loader
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Copier(
+        device,
+        stream=copy_stream(device),
+        home=torch.cuda.default_stream(device),
+        current=lambda: torch.cuda.current_stream(device),
+        enter=torch.cuda.stream,
+        times=CopyTimes(lambda: torch.cuda.Event(enable_timing=True)),
+        event=lambda: torch.cuda.Event(),
+        set_device=lambda: torch.cuda.set_device(device),  # else pinning makes a context on 0
+        record=True,
+        pins_surely=True,
+    )
+
+
+def _generic(device: torch.device) -> Copier:
+    """Through ``torch.Stream``/``torch.Event``: torch's accelerator API has no default
+    stream, so the home is the stream current when the pass starts (the consumer's)."""
+    from anydevice.clocks import _event_stream
+
+    index = device.index
+    stream = copy_stream(device)
+    timed = _event_stream(device) is not None
+    return Copier(
+        device,
+        stream=stream,
+        home=torch.accelerator.current_stream(index),
+        current=lambda: torch.accelerator.current_stream(index),
+        enter=lambda s: s,  # a torch.Stream is a context manager making itself current
+        # New events for every copy: a backend may read an event when the waiting stream
+        # gets to the wait, not when it was issued; re-recording one could then deadlock.
+        times=CopyTimes(lambda: torch.Event(device, enable_timing=True), reuse=False)
+        if timed
+        else None,
+        event=lambda: torch.Event(device),
+        set_device=lambda: torch.accelerator.set_device_index(index),
+    )
