@@ -24,21 +24,26 @@ CASES = Path(__file__).with_name("privateuse1_cases.py")
 OPENREG = Path(__file__).with_name("openreg_cases.py")
 
 
-@pytest.mark.parametrize("name", ["npy", "tpu"])
-def test_python_privateuse1_backend_in_a_child_process(name: str) -> None:
-    """The same cases under two names: ``tpu`` also checks that a backend of that name (a
-    native TPU backend) is taken for itself, not for torch_xla's device."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "ANYDEVICE_TEST_BACKEND": name}
+def _run_cases(cases: Path, **env: str) -> str:
+    """Run a cases file in a child pytest (a backend registers for its whole process)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", str(cases), "-q", "-rs", "-p", "no:cacheprovider"],
         capture_output=True,
         text=True,
         timeout=180,
-        env=env,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
         check=False,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    return out
+
+
+@pytest.mark.parametrize("name", ["npy", "tpu"])
+def test_python_privateuse1_backend_in_a_child_process(name: str) -> None:
+    """The same cases under two names: ``tpu`` also checks that a backend of that name (a
+    native TPU backend) is taken for itself, not for torch_xla's device."""
+    out = _run_cases(CASES, ANYDEVICE_TEST_BACKEND=name)
     assert "13 passed" in out, out
     # What the python backend cannot do is skipped, each with torch's own reason.
     assert "cannot synchronise" in out and "no device allocator" in out, out
@@ -52,17 +57,7 @@ def test_openreg_backend_in_a_child_process() -> None:
             "torch's OpenReg backend (torch_openreg) is not installed: it is built from "
             "torch's source tree, test/cpp_extensions/open_registration_extension"
         )
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(OPENREG), "-q", "-rs", "-p", "no:cacheprovider"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = _run_cases(OPENREG)
     assert "6 passed" in out, out
 
 

@@ -264,7 +264,7 @@ class _EventClock:
     whose events time (see :func:`_event_stream`); CUDA is :class:`_CudaEventClock`. Each
     event is recorded once and every one is waited for: a backend need not keep an event's
     state straight across re-records (torch's OpenReg backend, which runs each stream on a
-    thread of its own, then failed one run in five with "Both events must be completed").
+    thread of its own, then failed two runs in twelve with "Both events must be completed").
     """
 
     name = "event"
