@@ -28,6 +28,14 @@ def xla() -> torch.device:
     return torch.device(torch_xla.device())
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_graph() -> Iterator[None]:
+    yield
+    import torch_xla
+
+    torch_xla.sync()
+
+
 def _executions() -> int:
     """How many compiled graphs torch_xla has run in this process so far."""
     import torch_xla.debug.metrics as met
@@ -237,11 +245,3 @@ def test_precision_and_streams_on_xla(xla: torch.device) -> None:
     assert p.dtype == (torch.bfloat16 if xr.device_type() == "TPU" else torch.float32)
     with ad.side_stream(xla) as s:  # XLA has no eager streams: a no-op, saying None
         assert s is None
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_graph() -> Iterator[None]:
-    yield
-    import torch_xla
-
-    torch_xla.sync()

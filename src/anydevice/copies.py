@@ -75,8 +75,7 @@ class Copier:
     ) -> None:
         self.device = device
         self.stream = stream
-        self.home = home
-        self.homes = [home]  #: few: the home, and each other stream a batch was read on
+        self.homes = [home]  #: few: the home, then each other stream a batch was read on
         self.record = record
         self.current = current
         self.enter = enter
@@ -85,6 +84,11 @@ class Copier:
         self.set_device = set_device
         self._pins = True  #: host memory can be pinned for this device (until it fails)
         self._pins_surely = pins_surely
+
+    @property
+    def home(self) -> Any:
+        """The stream the pass started on (CUDA: the default stream)."""
+        return self.homes[0]
 
     def wait_for_homes(self) -> None:
         """Order the copy stream after what is queued on every home now (their last reads

@@ -139,6 +139,7 @@ def _pjrt_type() -> str:
         return "PJRT"
 
 
+@functools.cache  # the same modules for the whole process: built once, not per reading
 def _readers() -> dict[str, Callable[[torch.device], Counters]]:
     return {
         "cuda": _caching_allocator(torch.cuda),

@@ -117,16 +117,14 @@ _STREAMS = StreamCache(_new_stream)
 _SIDES = StreamCache(_new_side)
 
 
-def _new_generic_side(index: int, priority: int) -> _Side:
-    kind = _stream_kind()
-    assert kind is not None  # only made for a device generic_stream_device gave
-    return _Side(torch.Stream(torch.device(kind, index), priority=priority))
-
-
 def _new_generic_stream(index: int, priority: int) -> torch.Stream:
     kind = _stream_kind()
     assert kind is not None  # only made for a device generic_stream_device gave
     return torch.Stream(torch.device(kind, index), priority=priority)
+
+
+def _new_generic_side(index: int, priority: int) -> _Side:
+    return _Side(_new_generic_stream(index, priority))
 
 
 # XPU and other accelerators with streams: only torch's current accelerator type has them
