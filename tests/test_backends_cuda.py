@@ -193,3 +193,70 @@ def test_unavailable_reason_names_empty_visible_devices():
         assert "CUDA_VISIBLE_DEVICES" in reason
     else:
         assert "CPU-only" in reason
+
+
+def test_library_versions_never_ask_torch_backends_cudnn_version(monkeypatch):
+    # torch.backends.cudnn.version() checks every GPU's capability first, which initialises
+    # CUDA (torch 2.11); the versions are read from the libraries alone.
+    import torch
+
+    from anydevice.backends import cuda
+
+    asked = []
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: asked.append(1) or 90100)
+    versions = cuda._library_versions()
+    assert asked == []
+    assert set(versions) == {"cudnn", "nccl"}
+    assert not torch.cuda.is_initialized()
+
+
+def test_cudnn_version_number_reads_the_binding_torch_itself_uses():
+    # torch.backends.cudnn reads torch._C._cudnn; the version comes from its getVersionInt.
+    import torch
+
+    from anydevice.backends.cuda import cudnn_version_number
+
+    binding = getattr(torch._C, "_cudnn", None)
+    assert torch.backends.cudnn._cudnn is binding
+    if binding is None:
+        assert cudnn_version_number() is None
+    else:
+        assert hasattr(binding, "getVersionInt")
+        assert isinstance(cudnn_version_number(), int) or not binding.is_cuda
+
+
+def test_has_primary_context_name_is_there_exactly_on_cuda_builds():
+    import torch
+
+    from anydevice.backends.cuda import has_primary_context
+
+    assert hasattr(torch._C, "_cuda_hasPrimaryContext") == cuda_built()
+    if not torch.cuda.is_initialized():
+        assert has_primary_context(0) is False
+
+
+@pytest.mark.cuda
+def test_cudnn_version_without_initialising_cuda_matches_torchs():
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import json, torch
+        from anydevice.backends.cuda import _library_versions, cudnn_version_number
+        from anydevice.backends.cuda import driver_initialized
+        ours, text = cudnn_version_number(), _library_versions()["cudnn"]
+        looked = {"torch_init": torch.cuda.is_initialized(), "driver": driver_initialized()}
+        print(json.dumps({**looked, "ours": ours, "text": text,
+                          "theirs": torch.backends.cudnn.version()}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["torch_init"] is False and r["driver"] is False
+    assert r["ours"] == r["theirs"] and r["text"].startswith(str(r["theirs"] // 10000))

@@ -80,3 +80,42 @@ def test_synchronize_none_covers_every_gpu_with_a_context_and_makes_none():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["True", "True", "True", "True"]
+
+
+def test_synchronize_asks_per_gpu_whether_a_context_exists():
+    # On this build no context can exist: the per-GPU question answers False without
+    # raising, and synchronize waits for nothing.
+    from anydevice.backends.cuda import has_primary_context
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is in use in this process; the cuda test covers it")
+    assert has_primary_context(0) is False
+    clocks.synchronize(torch.device("cuda:0"))
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.cuda
+def test_synchronize_a_gpu_without_a_context_creates_none():
+    # torch.cuda.synchronize(k) runs cudaSetDevice(k), which creates a context (~500 MB)
+    # on GPU k; a GPU this process never used has nothing queued to wait for.
+    code = textwrap.dedent(
+        """
+        import torch
+        from anydevice import clocks
+        has = torch._C._cuda_hasPrimaryContext
+        n = torch.cuda.device_count()
+        torch.cuda.init()  # torch's CUDA state, no context yet
+        if n > 1:
+            torch.ones(1, device="cuda:0")  # use only cuda:0
+        target = n - 1 if n > 1 else 0
+        before = has(target)
+        clocks.synchronize(torch.device("cuda", target))
+        clocks.synchronize(None)
+        print(before, has(target), n == 1 or has(0))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "True"]

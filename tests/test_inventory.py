@@ -174,3 +174,16 @@ def test_parse_size_reads_what_people_write():
     assert parse_size(512) == 512
     with pytest.raises(ValueError, match="cannot read '8 apples' as a memory size"):
         parse_size("8 apples")
+
+
+def test_looking_with_telemetry_leaves_cuda_uninitialised():
+    # Observable on any build: torch's own flag stays False after every kind of looking.
+    import torch
+
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is in use in this process already")
+    inv = ad.inventory()
+    ad.describe("cpu")
+    ad.inventory_without_torch()
+    assert inv.cpu.kind == "cpu"
+    assert not torch.cuda.is_initialized()

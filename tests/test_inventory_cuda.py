@@ -52,15 +52,22 @@ def test_inventory_creates_no_context_and_does_not_initialise_cuda():
 
 
 def test_nvml_mapping_matches_cuda_uuids():
+    # Once CUDA is initialised the inventory takes torch's own order, so the mapping read
+    # from NVML is only tested while looking (telemetry, cuDNN and NCCL versions included)
+    # has initialised nothing.
     r = run_py(
         """
         import json, torch, anydevice as ad
+        from anydevice.backends.cuda import driver_initialized
         ours = [d.uuid for d in ad.inventory().of_kind("cuda")]
+        ad.describe("cuda:0")
+        looked = {"torch_init": torch.cuda.is_initialized(), "driver_init": driver_initialized()}
         theirs = [str(torch.cuda.get_device_properties(i).uuid)
                   for i in range(torch.cuda.device_count())]
-        print(json.dumps({"ours": ours, "theirs": theirs}))
+        print(json.dumps({**looked, "ours": ours, "theirs": theirs}))
         """
     )
+    assert r["torch_init"] is False and r["driver_init"] is False
     strip = [u.removeprefix("GPU-").removeprefix("MIG-").lower() for u in r["ours"]]
     assert strip == [u.removeprefix("GPU-").lower() for u in r["theirs"]]
 

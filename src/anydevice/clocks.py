@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from anydevice.backends.cuda import has_primary_context
 from anydevice.selection import DeviceLike
 
 __all__ = [
@@ -43,7 +44,9 @@ def synchronize(device: torch.device | None = None) -> None:
     ``None`` waits for every accelerator this process has started using: on CUDA, every
     GPU this process has a context on, not only the current one, so model-parallel and
     ``DataParallel`` work is inside the wait. A CUDA or XPU device the process has not
-    used yet has nothing queued: no context is created to wait.
+    used yet has nothing queued: no context is created to wait. On CUDA that is asked per
+    GPU, so waiting for ``cuda:1`` in a process that used only ``cuda:0`` creates no
+    context (~500 MB) on GPU 1.
 
     >>> synchronize(torch.device("cpu"))
     """
@@ -56,7 +59,9 @@ def synchronize(device: torch.device | None = None) -> None:
     if device.type in ("cuda", "xpu") and not getattr(torch, device.type).is_initialized():
         return  # nothing can be queued yet, and waiting would create a context
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if has_primary_context(index):  # else nothing was queued there, and waiting would
+            torch.cuda.synchronize(index)  # create a context on that GPU
     elif device.type == "xla":
         _synchronize_xla()
     elif device.type in ("mps", "xpu"):
@@ -120,11 +125,10 @@ def in_use() -> list[torch.device]:
 
 
 def _cuda_in_use(current: torch.device) -> list[torch.device]:
-    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private; only looks
-    if has_context is None:
-        return [current]
     others = [i for i in range(torch.cuda.device_count()) if i != current.index]
-    return [torch.device("cuda", i) for i in (current.index, *others) if has_context(i)]
+    return [
+        torch.device("cuda", i) for i in (current.index, *others) if has_primary_context(int(i))
+    ]
 
 
 def _current_accelerators() -> list[torch.device]:

@@ -39,7 +39,9 @@ __all__ = [
     "Visibility",
     "cuda_built",
     "cuda_wheel_command",
+    "cudnn_version_number",
     "driver_initialized",
+    "has_primary_context",
     "visible_devices",
 ]
 
@@ -494,17 +496,61 @@ def _installed_library_versions() -> dict[str, Any]:
 
 
 def _library_versions() -> dict[str, Any]:
+    """cuDNN's and NCCL's versions from the libraries torch loaded, asking no device.
+
+    ``torch.backends.cudnn.version()`` is not used: it checks every GPU's compute
+    capability first (torch 2.11), which initialises CUDA in this process.
+    """
     import torch
 
+    installed = _installed_library_versions()
     out: dict[str, Any] = {}
     try:
-        v = torch.backends.cudnn.version()
-        out["cudnn"] = None if v is None else _cudnn_text(int(v))
+        v = cudnn_version_number()
+        out["cudnn"] = installed["cudnn"] if v is None else _cudnn_text(v)
     except (RuntimeError, OSError):
-        out["cudnn"] = None
+        out["cudnn"] = installed["cudnn"]
     try:
-        nccl = torch.cuda.nccl.version()
+        nccl = torch.cuda.nccl.version()  # ncclGetVersion: the library's own number
         out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except (RuntimeError, AttributeError, OSError):
-        out["nccl"] = None
+        out["nccl"] = installed["nccl"]
     return out
+
+
+# ----------------------------------------------------------------- torch's private names
+# Each is read in one function, with a test of its own; a torch without the name gets the
+# fallback the function documents.
+
+
+def cudnn_version_number() -> int | None:
+    """cuDNN's version number as the loaded library reports it (``cudnnGetVersion``).
+
+    Read through torch's binding ``torch._C._cudnn.getVersionInt``, which asks the library
+    alone: no device, no CUDA initialisation. None without cuDNN (a CPU build, or ROCm,
+    whose binding reports MIOpen's version instead).
+    """
+    import torch
+
+    binding = getattr(torch._C, "_cudnn", None)
+    get = getattr(binding, "getVersionInt", None)
+    if get is None or not getattr(binding, "is_cuda", False):
+        return None
+    return int(get())
+
+
+def has_primary_context(index: int) -> bool:
+    """Whether this process has a CUDA context on GPU ``index``, asked without creating one.
+
+    Through ``torch._C._cuda_hasPrimaryContext`` (the driver's ``cuDevicePrimaryCtxGetState``);
+    without that name, whether torch's allocator holds memory there. False before torch
+    has initialised CUDA: no context can exist yet, and asking would initialise it.
+    """
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return False
+    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has is not None:
+        return bool(has(index))
+    return int(torch.cuda.memory_reserved(index)) > 0
