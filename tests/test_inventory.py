@@ -184,6 +184,6 @@ def test_looking_with_telemetry_leaves_cuda_uninitialised():
         pytest.skip("CUDA is in use in this process already")
     inv = ad.inventory()
     ad.describe("cpu")
-    ad.inventory_without_torch()
+    inventory_without_torch()
     assert inv.cpu.kind == "cpu"
     assert not torch.cuda.is_initialized()
