@@ -139,7 +139,7 @@ def select_visible(
         return ",".join(str(d.uuid) for d in choice.picked)
     from anydevice.backends import nvml
 
-    gpus_here = nvml.read(telemetry=False).gpus
+    gpus_here = nvml.static().gpus
     return ",".join(
         str(i) for i in cuda_indices(choice.picked, gpus_here, env.get("CUDA_DEVICE_ORDER"))
     )

@@ -158,8 +158,9 @@ class Watcher:
         except nvml.NvmlUnavailable as e:
             return (), (f"no GPU: {e}.",)
         if not driver.gpus:
-            return (), ("no GPU: NVML sees no NVIDIA GPU in this machine.",)
-        return gpu_readings(driver.gpus, self._environ)
+            return (), ("no GPU: NVML sees no NVIDIA GPU in this machine.", *driver.notes)
+        readings, notes = gpu_readings(driver.gpus, self._environ)
+        return readings, (*driver.notes, *notes)
 
 
 def gpu_readings(

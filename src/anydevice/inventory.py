@@ -144,7 +144,9 @@ class DeviceInfo:
     pcie_width: int | None = None  #: highest PCIe lane count the link supports
     processes: tuple[ProcessInfo, ...] | None = None  #: None when unknown, () when none
     mig_parent: str | None = None  #: UUID of the physical GPU of a MIG device
-    index_guessed: bool = False  #: True when ``index`` is CUDA's unspecified FASTEST_FIRST order
+    #: True when ``index`` is a guess: CUDA's unspecified FASTEST_FIRST order, or which of
+    #: several visible MIG devices CUDA shows (``notes`` say which)
+    index_guessed: bool = False
     notes: tuple[str, ...] = ()  #: what is unknown, and why
 
     @property
@@ -200,7 +202,9 @@ class DeviceInfo:
         if self.smi_index is not None and self.smi_index != self.index:
             parts.append(f"nvidia-smi {self.smi_index}")
         if self.index_guessed:
-            parts.append("index guessed (FASTEST_FIRST)")
+            parts.append(
+                "index guessed (MIG)" if self.mig_parent else "index guessed (FASTEST_FIRST)"
+            )
         return f"DeviceInfo({', '.join(parts)})"
 
 
@@ -309,7 +313,9 @@ class Inventory:
         return f"Inventory({self.host.hostname!r}: {devices})"
 
 
-def inventory(*, telemetry: bool = True, kinds: Iterable[str] | None = None) -> Inventory:
+def inventory(
+    *, telemetry: bool = True, kinds: Iterable[str] | None = None, memory: bool = True
+) -> Inventory:
     """Describe this machine: the host and every device torch can use, CPU last.
 
     Never creates a CUDA context and never initialises CUDA when NVML works; never imports
@@ -319,11 +325,15 @@ def inventory(*, telemetry: bool = True, kinds: Iterable[str] | None = None) -> 
         telemetry: also read utilisation, temperature, power and the processes on each
             device (a few milliseconds per GPU). Selection passes False.
         kinds: only ask these backends (default: all of them).
+        memory: read each device's free and used memory now. With ``memory=False`` and
+            ``telemetry=False`` a backend may leave them unknown and answer from facts read
+            once per process: NVIDIA GPUs are then listed without an NVML session after
+            the first (what resolving ``"cuda:0"`` needs).
 
     Returns:
         An :class:`Inventory`; ``notes`` says what could not be read and why.
     """
-    return _collect(telemetry, kinds, with_torch=True)
+    return _collect(telemetry, kinds, with_torch=True, memory=memory)
 
 
 def inventory_without_torch(
@@ -342,7 +352,9 @@ def inventory_without_torch(
     return _collect(telemetry, kinds, with_torch=False)
 
 
-def _collect(telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool) -> Inventory:
+def _collect(
+    telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool, memory: bool = True
+) -> Inventory:
     from anydevice import backends
 
     order = (*ACCELERATOR_KINDS, "accelerator", "cpu")  # "accelerator": any other torch knows
@@ -370,7 +382,7 @@ def _collect(telemetry: bool, kinds: Iterable[str] | None, *, with_torch: bool) 
             elif not before and "torch" in sys.modules:
                 imported_for.append(backend.label)  # the backend had to (torch_xla does)
         if probe is None:
-            probe = backend.probe(telemetry=live)
+            probe = backend.probe(telemetry=live) if live or memory else backend.probe_static()
         host_fields.update(probe.host)
         if kind in wanted:
             devices.extend(d for d in probe.devices if kind != "accelerator" or _asked(d, by_name))

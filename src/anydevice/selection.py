@@ -415,12 +415,14 @@ def current_indices() -> dict[str, int]:
     return found
 
 
-def _inventory_for(spec: Spec, *, telemetry: bool = False) -> Inventory:
+def _inventory_for(spec: Spec, *, telemetry: bool = False, memory: bool = True) -> Inventory:
+    """The inventory a spec is resolved on; without ``memory`` (and ``telemetry``), NVIDIA
+    GPUs come from facts read once per process, with no NVML session."""
     if spec.kind == "auto":
         kinds: tuple[str, ...] = (*ACCELERATOR_KINDS, "accelerator")
     else:
         kinds = ACCELERATOR_KINDS if spec.kind in ("gpu", "free") else (spec.kind,)
-    return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"))
+    return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"), memory=memory)
 
 
 def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> torch.device:
@@ -445,7 +447,8 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
     need = None if need_memory is None else parse_size(need_memory)
     if need is None and parsed.kind in ("cpu", "meta"):
         return torch.device(parsed.kind)  # nothing to look up
-    inv = _inventory_for(parsed)
+    # Free memory is read only for the policies that compare it.
+    inv = _inventory_for(parsed, memory=need is not None or parsed.kind == "free")
     return select(parsed, inv, need_memory=need, current=current_indices()).torch_device
 
 
@@ -491,7 +494,8 @@ def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.devi
     parsed = _resolve_auto(spec)  # type: ignore[arg-type]  # None and other non-specs: TypeError
     if parsed.kind in ("cpu", "meta"):
         return [torch.device(parsed.kind)]
-    return [d.torch_device for d in select_all(parsed, _inventory_for(parsed))]
+    inv = _inventory_for(parsed, memory=parsed.kind == "free")
+    return [d.torch_device for d in select_all(parsed, inv)]
 
 
 def try_gpu(i: int = 0) -> torch.device:
@@ -507,7 +511,8 @@ def try_gpu(i: int = 0) -> torch.device:
         )
     if i < 0:
         raise DeviceSpecError(f"try_gpu({i}): GPU indices start at 0.")
-    return try_gpu_in(inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu")), i).torch_device
+    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"), memory=False)
+    return try_gpu_in(inv, i).torch_device
 
 
 def try_gpu_in(inv: Inventory, i: int = 0) -> DeviceInfo:
@@ -525,7 +530,7 @@ def try_all_gpus() -> list[torch.device]:
     >>> try_all_gpus()[0].type in ("cpu", "cuda", "mps", "xpu")
     True
     """
-    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"))
+    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"), memory=False)
     gpus = _gpus(inv)
     if gpus:
         return [d.torch_device for d in gpus]
@@ -587,7 +592,7 @@ def restrict_visible(visible: str | int | DeviceInfo | Sequence[int | str | Devi
             "nothing. Call it before any CUDA call (torch.cuda.is_available() counts), or set "
             "the variable when launching: CUDA_VISIBLE_DEVICES=0,2 python train.py"
         )
-    inv = inventory(telemetry=False, kinds=("cuda", "cpu"))
+    inv = inventory(telemetry=False, kinds=("cuda", "cpu"), memory=False)
     value = visible_value(wanted, inv.of_kind("cuda"), current)
     os.environ["CUDA_VISIBLE_DEVICES"] = value
     logger.info("CUDA_VISIBLE_DEVICES=%s", value)

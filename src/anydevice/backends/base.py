@@ -38,6 +38,12 @@ class Backend(ABC):
     def probe(self, *, telemetry: bool = True) -> Probe:
         """Describe every device of this kind that torch can use in this process."""
 
+    def probe_static(self) -> Probe:
+        """Like ``probe(telemetry=False)``, where free memory may be left unknown: what
+        resolving a spec needs. A backend that can answer it from facts read once per
+        process overrides this (CUDA: no NVML session after the first)."""
+        return self.probe(telemetry=False)
+
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Like :meth:`probe`, but without importing torch; None when this kind cannot tell
         without it (the default: a backend opts in by overriding this)."""

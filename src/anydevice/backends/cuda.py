@@ -15,7 +15,9 @@ Rules applied (CUDA's documented behaviour, as torch's own NVML-based count read
   hides it and every entry after it.
 * A repeated entry makes no GPU visible.
 * A GPU in MIG mode is not a CUDA device itself; its MIG devices are, and one CUDA process
-  enumerates a single MIG device (the first visible one).
+  enumerates a single MIG device. Which one, when several are visible, CUDA does not
+  document: the first in NVML's order is taken and marked as guessed
+  (``DeviceInfo.index_guessed``) until torch, once CUDA is initialised, names it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from anydevice.inventory import DeviceInfo, HostInfo
 __all__ = [
     "CudaBackend",
     "Visibility",
+    "confirm_order",
     "cuda_built",
     "cuda_wheel_command",
     "cudnn_version_number",
@@ -56,6 +59,14 @@ class Visibility:
     guessed: bool = False  #: the order is CUDA's unspecified FASTEST_FIRST heuristic
     ignored: tuple[str, ...] = ()  #: CUDA_VISIBLE_DEVICES entries CUDA ignores
     notes: tuple[str, ...] = ()
+    #: With several MIG devices visible, all of them: CUDA shows one, and which one it
+    #: does not document, so the one in :attr:`devices` is a guess (NVML's first) until
+    #: torch's own UUIDs confirm it. Empty when there was no choice to make.
+    mig_candidates: tuple[GpuRecord, ...] = ()
+
+    def index_guessed(self, record: GpuRecord) -> bool:
+        """Whether ``record``'s ``cuda:N`` (or its being shown at all) is a guess."""
+        return self.guessed or any(record is m for m in self.mig_candidates)
 
 
 def cuda_built() -> bool:
@@ -123,8 +134,8 @@ def visible_devices(
         chosen, ignored, by_uuid = _apply_visible(physical, cuda_visible, notes)
         if by_uuid:
             guessed = False  # UUIDs fix the order whatever CUDA_DEVICE_ORDER says
-    chosen = _one_mig_device(chosen, notes)
-    return Visibility(tuple(chosen), guessed, tuple(ignored), tuple(notes))
+    chosen, candidates = _one_mig_device(chosen, notes)
+    return Visibility(tuple(chosen), guessed, tuple(ignored), tuple(notes), tuple(candidates))
 
 
 def _pci_key(g: GpuRecord) -> tuple[str, int]:
@@ -257,16 +268,21 @@ def _prefix_matches(records: Sequence[GpuRecord], prefix: str) -> list[GpuRecord
     return [r for r in records if r.uuid.lower().startswith(p)]
 
 
-def _one_mig_device(chosen: list[GpuRecord], notes: list[str]) -> list[GpuRecord]:
+def _one_mig_device(
+    chosen: list[GpuRecord], notes: list[str]
+) -> tuple[list[GpuRecord], list[GpuRecord]]:
+    """``chosen`` with one MIG device kept, and the MIG devices it was guessed among."""
     migs = [d for d in chosen if d.mig_parent is not None]
     if len(migs) <= 1:
-        return chosen
+        return chosen, []
     keep = migs[0]
     notes.append(
-        f"{len(migs)} MIG devices are visible, but a CUDA process enumerates only one: "
-        f"{keep.uuid}. Give each process its own with CUDA_VISIBLE_DEVICES=MIG-<uuid>."
+        f"{len(migs)} MIG devices are visible, but a CUDA process enumerates only one, and "
+        f"CUDA does not say which: {keep.uuid} (NVML's first) is a guess until torch "
+        "confirms it once CUDA is initialised. Give each process its own with "
+        "CUDA_VISIBLE_DEVICES=MIG-<uuid>."
     )
-    return [d for d in chosen if d.mig_parent is None or d is keep]
+    return [d for d in chosen if d.mig_parent is None or d is keep], migs
 
 
 def _uuid_key(uuid: str) -> str:
@@ -283,22 +299,42 @@ def _confirm_with_torch(vis: Visibility) -> Visibility:
 
     try:
         torch_uuids = [
-            _uuid_key(str(torch.cuda.get_device_properties(i).uuid))
-            for i in range(torch.cuda.device_count())
+            str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
         ]
     except (RuntimeError, AttributeError):
         return vis
-    records = {_uuid_key(d.uuid): d for d in vis.devices}
-    if [_uuid_key(d.uuid) for d in vis.devices] == torch_uuids:
+    return confirm_order(vis, torch_uuids)
+
+
+def confirm_order(vis: Visibility, torch_uuids: Sequence[str]) -> Visibility:
+    """``vis`` in the order of the UUIDs torch reports for ``cuda:0``, ``cuda:1``, ... (pure).
+
+    Nothing is guessed any more where every UUID is known: the order, and which MIG device
+    CUDA shows. UUIDs that name devices NVML did not list leave ``vis`` as it was.
+    """
+    theirs = [_uuid_key(u) for u in torch_uuids]
+    records = {_uuid_key(d.uuid): d for d in (*vis.mig_candidates, *vis.devices)}
+    if [_uuid_key(d.uuid) for d in vis.devices] == theirs:
         return Visibility(vis.devices, False, vis.ignored, vis.notes)
-    if all(u in records for u in torch_uuids):
-        notes = (*vis.notes, "CUDA's order differs from the one read from NVML; using CUDA's.")
-        return Visibility(tuple(records[u] for u in torch_uuids), False, vis.ignored, notes)
-    return vis
+    if not all(u in records for u in theirs):
+        return vis
+    notes = [*vis.notes, "CUDA's order differs from the one read from NVML; using CUDA's."]
+    shown = {_uuid_key(d.uuid) for d in vis.devices}
+    for u in theirs:
+        if u not in shown:
+            notes.append(f"CUDA shows MIG device {records[u].uuid}: the guess is corrected.")
+    return Visibility(tuple(records[u] for u in theirs), False, vis.ignored, tuple(notes))
 
 
-def _info(index: int, r: GpuRecord, guessed: bool) -> DeviceInfo:
+def _info(index: int, r: GpuRecord, vis: Visibility) -> DeviceInfo:
     modern = None if r.compute_capability is None else r.compute_capability >= (8, 0)
+    notes = r.notes
+    if any(r is m for m in vis.mig_candidates):
+        notes = (
+            *notes,
+            f"which of the {len(vis.mig_candidates)} visible MIG devices CUDA shows is a "
+            "guess (NVML's first) until torch confirms it once CUDA is initialised",
+        )
     return DeviceInfo(
         kind="cuda",
         index=index,
@@ -321,8 +357,8 @@ def _info(index: int, r: GpuRecord, guessed: bool) -> DeviceInfo:
         pcie_width=r.pcie_width,
         processes=r.processes,
         mig_parent=r.mig_parent,
-        index_guessed=guessed,
-        notes=r.notes,
+        index_guessed=vis.index_guessed(r),
+        notes=notes,
     )
 
 
@@ -331,16 +367,31 @@ class CudaBackend(Backend):
     label = "CUDA"
     is_gpu = True
 
-    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, environ: Mapping[str, str] | None = None, nvml_reader: nvml.NvmlReader | None = None
+    ) -> None:
         self._environ = environ
+        self._nvml = nvml_reader
 
     @property
     def environ(self) -> Mapping[str, str]:
         return os.environ if self._environ is None else self._environ
 
+    @property
+    def nvml_reader(self) -> nvml.NvmlReader:
+        """Where NVML is read: this process's shared reader unless one was given."""
+        return nvml.reader() if self._nvml is None else self._nvml
+
     def probe(self, *, telemetry: bool = True) -> Probe:
         probe = self._probe(telemetry, with_torch=True)
         assert probe is not None  # with torch, every case has an answer
+        return probe
+
+    def probe_static(self) -> Probe:
+        """The GPUs from NVML's facts read once per process: no NVML session after the
+        first, free memory and the live readings unknown."""
+        probe = self._probe(False, with_torch=True, live=False)
+        assert probe is not None
         return probe
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
@@ -348,19 +399,23 @@ class CudaBackend(Backend):
         a CUDA torch would have to be asked instead."""
         return self._probe(telemetry, with_torch="torch" in sys.modules)
 
-    def _probe(self, telemetry: bool, *, with_torch: bool) -> Probe | None:
+    def _probe(self, telemetry: bool, *, with_torch: bool, live: bool = True) -> Probe | None:
         host: dict[str, Any] = {}
         notes: list[str] = []
         driver: nvml.DriverInfo | None = None
         try:
-            driver = nvml.read(telemetry=telemetry)
+            reader = self.nvml_reader
+            driver = reader.read(telemetry=telemetry) if live else reader.static()
+            notes.extend(driver.notes)
         except NvmlUnavailable as e:
             reason = str(e)
             if cuda_built() or nvml.driver_present():
                 notes.append(f"{reason}.")
         if driver is not None:
             host.update(
-                driver=driver.driver, driver_cuda=driver.driver_cuda, nvidia_gpus=len(driver.gpus)
+                driver=driver.driver,
+                driver_cuda=driver.driver_cuda,
+                nvidia_gpus=len(driver.gpus) + len(driver.unreadable),
             )
         elif nvml.driver_present():
             host["nvidia_gpus"] = len(list(Path("/proc/driver/nvidia/gpus").iterdir()))
@@ -387,7 +442,7 @@ class CudaBackend(Backend):
         )
         if _torch_cuda_initialized():
             vis = _confirm_with_torch(vis)
-        devices = tuple(_info(i, r, vis.guessed) for i, r in enumerate(vis.devices))
+        devices = tuple(_info(i, r, vis) for i, r in enumerate(vis.devices))
         return Probe(devices=devices, host=host, notes=(*notes, *vis.notes))
 
     def _probe_with_torch(self) -> tuple[tuple[DeviceInfo, ...], list[str]]:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from anydevice.inventory import ProcessInfo
 
-__all__ = ["DriverInfo", "GpuRecord", "NvmlUnavailable", "read"]
+__all__ = ["DriverInfo", "GpuRecord", "NvmlReader", "NvmlUnavailable", "read", "reader", "static"]
 
 T = TypeVar("T")
 
@@ -64,24 +64,171 @@ class DriverInfo:
     driver: str | None
     driver_cuda: str | None  #: e.g. "12.4": the newest CUDA this driver supports
     gpus: tuple[GpuRecord, ...] = field(default=())
+    notes: tuple[str, ...] = ()  #: GPUs NVML would not read, and why
+    unreadable: tuple[int, ...] = ()  #: nvidia-smi indices of the GPUs left out
+
+
+class NvmlReader:
+    """Reads NVML: what does not change once per process, the rest each time it is asked.
+
+    The name, UUID, PCI bus, compute capability, total memory and MIG layout of a GPU do
+    not change while a process runs; free memory, utilisation, temperature, power and
+    processes do. :meth:`static` answers from the first reading without asking the driver
+    again, so resolving ``"cuda:0"`` in a loop costs no NVML session; :meth:`read` opens
+    one (``nvmlInit`` ... ``nvmlShutdown``) and refreshes the static facts on the way.
+
+    A GPU NVML cannot read (``GpuIsLost``, ``NoPermission``, ``Unknown``, ...) is left out
+    with a note in :attr:`DriverInfo.notes`, never raised.
+
+    Args:
+        library: the NVML binding to call (pynvml's module, imported when None).
+    """
+
+    def __init__(self, library: Any | None = None) -> None:
+        self._library = library
+        self._static: DriverInfo | None = None
+        self._unavailable: NvmlUnavailable | None = None
+
+    def read(self, *, telemetry: bool = True) -> DriverInfo:
+        """Read every GPU NVML sees now, in nvidia-smi order.
+
+        Raises:
+            NvmlUnavailable: no NVML library, no driver, a driver/library version mismatch,
+                or NVML cannot even count the GPUs.
+        """
+        try:
+            info = _read(self._library, telemetry)
+        except NvmlUnavailable as e:
+            if self._static is None:  # GPUs once read stay what they were
+                self._unavailable = e
+            raise
+        self._unavailable, self._static = None, _static_part(info)
+        return info
+
+    def static(self) -> DriverInfo:
+        """The GPUs' facts that do not change, read once per process (memory, utilisation
+        and the other live readings are None).
+
+        Raises:
+            NvmlUnavailable: as for :meth:`read`, remembered from the first attempt.
+        """
+        if self._static is not None:
+            return self._static
+        if self._unavailable is not None:
+            raise self._unavailable
+        return _static_part(self.read(telemetry=False))
+
+    def forget(self) -> None:
+        """Drop what was read: the next :meth:`static` asks the driver again (after a GPU
+        was reconfigured, e.g. new MIG instances)."""
+        self._static = None
+        self._unavailable = None
+
+
+_reader = NvmlReader()
+
+
+def reader() -> NvmlReader:
+    """This process's :class:`NvmlReader`, shared by every caller."""
+    return _reader
 
 
 def read(*, telemetry: bool = True) -> DriverInfo:
-    """Read every GPU NVML sees, in nvidia-smi order.
+    """Read every GPU NVML sees now, in nvidia-smi order (:meth:`NvmlReader.read`).
 
     Raises:
         NvmlUnavailable: no NVML library, no driver, or a driver/library version mismatch.
     """
-    nv = _init()
+    return _reader.read(telemetry=telemetry)
+
+
+def static() -> DriverInfo:
+    """The GPUs' unchanging facts, read once per process (:meth:`NvmlReader.static`)."""
+    return _reader.static()
+
+
+def _read(library: Any | None, telemetry: bool) -> DriverInfo:
+    nv = _init(library)
     try:
         driver = _maybe(lambda: _text(nv.nvmlSystemGetDriverVersion()))
         cuda_v = _maybe(nv.nvmlSystemGetCudaDriverVersion_v2)
         driver_cuda = None if cuda_v is None else f"{cuda_v // 1000}.{(cuda_v % 1000) // 10}"
-        count = nv.nvmlDeviceGetCount()
-        gpus = tuple(_read_gpu(nv, i, telemetry) for i in range(count))
-        return DriverInfo(driver=driver, driver_cuda=driver_cuda, gpus=gpus)
+        try:
+            count = int(nv.nvmlDeviceGetCount())
+        except _errors() as e:
+            raise NvmlUnavailable(f"NVML cannot count the GPUs ({_error_text(e)})") from e
+        gpus: list[GpuRecord] = []
+        notes: list[str] = []
+        unreadable: list[int] = []
+        for i in range(count):
+            try:
+                gpus.append(_read_gpu(nv, i, telemetry, notes))
+            except _errors() as e:
+                unreadable.append(i)
+                notes.append(_unreadable(e, f"nvidia-smi GPU {i}", i))
+        return DriverInfo(
+            driver=driver,
+            driver_cuda=driver_cuda,
+            gpus=tuple(gpus),
+            notes=tuple(notes),
+            unreadable=tuple(unreadable),
+        )
     finally:
         _maybe(nv.nvmlShutdown)
+
+
+#: The readings that change while a process runs: left out of the static facts.
+_LIVE: dict[str, Any] = {
+    "memory_free": None,
+    "memory_used": None,
+    "utilization": None,
+    "temperature": None,
+    "power": None,
+    "power_limit": None,
+    "processes": None,
+}
+
+
+def _static_part(info: DriverInfo) -> DriverInfo:
+    """``info`` without the readings that change while a process runs."""
+
+    def still(g: GpuRecord) -> GpuRecord:
+        return replace(g, mig_devices=tuple(still(m) for m in g.mig_devices), **_LIVE)
+
+    return replace(info, gpus=tuple(still(g) for g in info.gpus))
+
+
+def _errors() -> type[Exception]:
+    """NVML's error base class (every ``NVMLError_*`` derives from it)."""
+    import pynvml
+
+    return pynvml.NVMLError  # type: ignore[no-any-return]
+
+
+def _error_text(e: Exception) -> str:
+    return f"{type(e).__name__.removeprefix('NVMLError_')}: {e}"
+
+
+def _unreadable(e: Exception, what: str, smi_index: int) -> str:
+    """The note for a GPU (or MIG device) NVML would not read: what, why, what to do."""
+    import pynvml
+
+    if isinstance(e, getattr(pynvml, "NVMLError_GpuIsLost", ())):
+        advice = (
+            "it fell off the bus: see the kernel log (dmesg, Xid 79) and nvidia-smi; a GPU "
+            "reset or a reboot brings it back"
+        )
+    elif isinstance(e, getattr(pynvml, "NVMLError_NoPermission", ())):
+        advice = (
+            "this process may not open it: check the /dev/nvidia* permissions and the "
+            "devices the container was given"
+        )
+    else:
+        advice = f"`nvidia-smi -i {smi_index} -q` shows what the driver reports"
+    return (
+        f"{what} could not be read ({_error_text(e)}) and is left out; {advice}. cuda:N "
+        "indices are counted over the GPUs that answer."
+    )
 
 
 def driver_present() -> bool:
@@ -89,16 +236,19 @@ def driver_present() -> bool:
     return Path("/proc/driver/nvidia/gpus").is_dir()
 
 
-def _init() -> Any:
-    try:
-        import pynvml as nv
-    except ImportError as e:
-        raise NvmlUnavailable(
-            f"the nvidia-ml-py package is not installed ({e}); pip install nvidia-ml-py"
-        ) from e
+def _init(library: Any | None) -> Any:
+    nv: Any = library
+    if nv is None:
+        try:
+            import pynvml
+        except ImportError as e:
+            raise NvmlUnavailable(
+                f"the nvidia-ml-py package is not installed ({e}); pip install nvidia-ml-py"
+            ) from e
+        nv = pynvml
     try:
         nv.nvmlInit()
-    except nv.NVMLError as e:
+    except _errors() as e:
         raise NvmlUnavailable(_explain_init_error(nv, e)) from e
     return nv
 
@@ -120,7 +270,7 @@ def _explain_init_error(nv: Any, e: Exception) -> str:
     return f"NVML failed to initialise: {text}"
 
 
-def _read_gpu(nv: Any, i: int, telemetry: bool) -> GpuRecord:
+def _read_gpu(nv: Any, i: int, telemetry: bool, notes: list[str]) -> GpuRecord:
     h = nv.nvmlDeviceGetHandleByIndex(i)
     mig_mode = _maybe(lambda: nv.nvmlDeviceGetMigMode(h))
     mig_enabled = bool(mig_mode and mig_mode[0] == nv.NVML_DEVICE_MIG_ENABLE)
@@ -128,7 +278,7 @@ def _read_gpu(nv: Any, i: int, telemetry: bool) -> GpuRecord:
     uuid = record["uuid"]
     migs: tuple[GpuRecord, ...] = ()
     if mig_enabled:
-        migs = tuple(_read_migs(nv, h, i, uuid, record, telemetry))
+        migs = tuple(_read_migs(nv, h, i, uuid, record, telemetry, notes))
     return GpuRecord(mig_enabled=mig_enabled, mig_devices=migs, **record)
 
 
@@ -171,7 +321,13 @@ def _read_common(nv: Any, h: Any, smi_index: int, telemetry: bool) -> dict[str, 
 
 
 def _read_migs(
-    nv: Any, h: Any, smi_index: int, parent_uuid: str, parent: dict[str, Any], telemetry: bool
+    nv: Any,
+    h: Any,
+    smi_index: int,
+    parent_uuid: str,
+    parent: dict[str, Any],
+    telemetry: bool,
+    notes: list[str],
 ) -> list[GpuRecord]:
     migs = []
     count = _maybe(lambda: nv.nvmlDeviceGetMaxMigDeviceCount(h)) or 0
@@ -179,7 +335,11 @@ def _read_migs(
         mh = _maybe(partial(nv.nvmlDeviceGetMigDeviceHandleByIndex, h, j))
         if mh is None:
             continue  # an empty slot: fewer MIG devices exist than could
-        info = _read_common(nv, mh, smi_index, telemetry)
+        try:
+            info = _read_common(nv, mh, smi_index, telemetry)
+        except _errors() as e:
+            notes.append(_unreadable(e, f"MIG device {j} of nvidia-smi GPU {smi_index}", smi_index))
+            continue
         attrs = _maybe(partial(nv.nvmlDeviceGetAttributes, mh))
         if attrs is not None:
             info["multiprocessors"] = int(attrs.multiprocessorCount)
