@@ -11,7 +11,9 @@ import pytest
 
 from anydevice.backends.cuda import (
     CudaBackend,
+    _info,
     _strtoul,
+    confirm_order,
     cuda_built,
     cuda_wheel_command,
     driver_initialized,
@@ -140,6 +142,38 @@ def test_mig_gpu_is_replaced_by_its_first_mig_device():
     vis = visible_devices(gpus, None)
     assert [g.uuid for g in vis.devices] == [gpus[0].mig_devices[0].uuid, gpus[1].uuid]
     assert any("only one" in n for n in vis.notes)
+
+
+def test_which_of_several_mig_devices_cuda_shows_is_marked_as_a_guess():
+    gpus = [mig(record(0, "A100"), 3, 2), record(1, "A100")]
+    vis = visible_devices(gpus, None)
+    first = gpus[0].mig_devices[0]
+    assert [m.uuid for m in vis.mig_candidates] == [m.uuid for m in gpus[0].mig_devices]
+    assert vis.index_guessed(vis.devices[0]) and not vis.index_guessed(vis.devices[1])
+    assert not vis.guessed  # the GPUs' own order is certain
+    infos = [_info(i, r, vis) for i, r in enumerate(vis.devices)]
+    assert [d.index_guessed for d in infos] == [True, False]
+    assert any("guess" in n for n in infos[0].notes) and infos[1].notes == ()
+    assert "index guessed (MIG)" in repr(infos[0]) and first.uuid == infos[0].uuid
+
+
+def test_one_mig_device_visible_is_no_guess():
+    parent = mig(record(0, "A100"), 1, 1, 1)
+    vis = visible_devices([parent], parent.mig_devices[1].uuid)
+    assert vis.mig_candidates == () and not vis.index_guessed(vis.devices[0])
+
+
+def test_torchs_uuids_confirm_or_correct_the_mig_guess():
+    gpus = [mig(record(0, "A100"), 3, 2), record(1, "A100")]
+    vis = visible_devices(gpus, None)
+    second = gpus[0].mig_devices[1]
+    confirmed = confirm_order(vis, [vis.devices[0].uuid.removeprefix("MIG-"), gpus[1].uuid])
+    assert confirmed.devices == vis.devices and confirmed.mig_candidates == ()
+    corrected = confirm_order(vis, [second.uuid, gpus[1].uuid.lower()])
+    assert [d.uuid for d in corrected.devices] == [second.uuid, gpus[1].uuid]
+    assert corrected.mig_candidates == () and not corrected.index_guessed(corrected.devices[0])
+    assert any(second.uuid in n for n in corrected.notes)
+    assert confirm_order(vis, ["GPU-unknown"]) == vis  # a UUID NVML did not list: unchanged
 
 
 def test_mig_device_by_uuid():
