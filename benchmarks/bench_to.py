@@ -10,6 +10,8 @@
    decorated with it.
 4. ``checkpoint``: ``ad.save`` (atomic, fsync) against ``torch.save``; ``ad.load`` with and
    without CRC verification against ``torch.load``.
+5. ``to-spec-resolution``: ``ad.to`` with a ``torch.device``, a plain ``"cpu"`` and a spec
+   looked up on the machine (``"auto"``, the path ``"cuda:0"`` takes), against ``t.to``.
 
 Each row is the median of many interleaved samples (each sample times a block of calls).
 On a GPU machine, ``gpu_to_pinned_batch`` moves the batch from pinned memory to the GPU.
@@ -148,6 +150,26 @@ def bench_to(rounds: int, calls: int) -> None:
         "target cpu (already there); target: ad.to within 1.3x of the hand-written loop",
         *notes,
     ]
+    save(result)
+
+
+def bench_spec(rounds: int, calls: int) -> None:
+    """What a device spec costs per ``ad.to`` call: none, a plain name, one looked up."""
+    t = torch.randn(4)
+    dev = torch.device("cpu")
+    rows: dict[str, Callable[[], float]] = {
+        "t.to('cpu')": per_call_us(lambda: t.to("cpu"), calls),
+        "ad.to(t, torch.device('cpu'))": per_call_us(lambda: ad.to(t, dev), calls),
+        "ad.to(t, 'cpu')": per_call_us(lambda: ad.to(t, "cpu"), calls),
+        "ad.to(t, 'auto')": per_call_us(lambda: ad.to(t, "auto"), calls),
+    }
+    result = Result("to-spec-resolution", "us", baseline="t.to('cpu')")
+    for label, samples in run_interleaved(rows, rounds).items():
+        result.add(label, samples)
+    result.notes.append(
+        "one tensor already on the cpu; 'auto' resolves through the inventory as 'cuda:0' "
+        "does (every backend asked; NVIDIA GPUs from NVML facts read once per process)"
+    )
     save(result)
 
 
@@ -303,6 +325,7 @@ def main() -> None:
     calls = 50 if args.quick else args.calls
     torch.set_num_threads(1)  # the MLP forward: one thread is steadier on a shared machine
     bench_to(rounds, calls)
+    bench_spec(rounds, calls)
     bench_diagnose(rounds, calls)
     bench_checkpoint(3 if args.quick else 7)
 
