@@ -172,3 +172,35 @@ def test_with_two_gpus_free_avoids_the_one_another_process_fills(hog):
     hog(first.index or 0, first.memory_free - second.memory_free + 2 * GiB)
     assert ad.describe("free", telemetry=False).index == second.index
     assert ad.device("free") == second.torch_device
+
+
+def test_resolving_cuda_specs_in_a_loop_opens_one_nvml_session():
+    # The GPUs' unchanging facts are read once per process; free memory only when a policy
+    # compares it ("free", need_memory).
+    r = run_py(
+        """
+        import json, pynvml, torch, anydevice as ad
+        sessions = []
+        real = pynvml.nvmlInit
+        def counted():
+            sessions.append(1)
+            real()
+        pynvml.nvmlInit = counted
+        x = torch.ones(2)
+        for _ in range(20):
+            ad.device("cuda:0")
+        before_cuda = len(sessions)
+        for _ in range(10):
+            ad.to(x, "cuda:0")
+            with ad.side_stream("cuda"):
+                pass
+            with ad.Timer("cuda:0"):
+                pass
+        specs = len(sessions)
+        ad.device("free")
+        ad.device("cuda:0", need_memory=1)
+        print(json.dumps({"before_cuda": before_cuda, "specs": specs, "all": len(sessions)}))
+        """
+    )
+    assert r["before_cuda"] == 1 and r["specs"] == 1
+    assert r["all"] == 3
