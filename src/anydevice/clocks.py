@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 import torch
 
-from anydevice.backends.cuda import has_primary_context
 from anydevice.selection import DeviceLike
 
 __all__ = [
@@ -59,6 +58,8 @@ def synchronize(device: torch.device | None = None) -> None:
     if device.type in ("cuda", "xpu") and not getattr(torch, device.type).is_initialized():
         return  # nothing can be queued yet, and waiting would create a context
     if device.type == "cuda":
+        from anydevice.backends.cuda import has_primary_context
+
         index = torch.cuda.current_device() if device.index is None else device.index
         if has_primary_context(index):  # else nothing was queued there, and waiting would
             torch.cuda.synchronize(index)  # create a context on that GPU
@@ -125,6 +126,8 @@ def in_use() -> list[torch.device]:
 
 
 def _cuda_in_use(current: torch.device) -> list[torch.device]:
+    from anydevice.backends.cuda import has_primary_context
+
     others = [i for i in range(torch.cuda.device_count()) if i != current.index]
     return [
         torch.device("cuda", i) for i in (current.index, *others) if has_primary_context(int(i))
