@@ -176,14 +176,19 @@ def test_parse_size_reads_what_people_write():
         parse_size("8 apples")
 
 
-def test_looking_with_telemetry_leaves_cuda_uninitialised():
-    # Observable on any build: torch's own flag stays False after every kind of looking.
+def test_looking_with_telemetry_leaves_cuda_uninitialised(monkeypatch):
+    # Observable on any build: torch's lazy initialisation is never entered (it is where
+    # every torch.cuda query that needs the driver starts), and torch's flag stays False.
     import torch
 
     if torch.cuda.is_initialized():
         pytest.skip("CUDA is in use in this process already")
+    entered = []
+    real = torch.cuda._lazy_init
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: entered.append(1) or real())
     inv = ad.inventory()
     ad.describe("cpu")
+    ad.describe("auto")
     inventory_without_torch()
     assert inv.cpu.kind == "cpu"
-    assert not torch.cuda.is_initialized()
+    assert entered == [] and not torch.cuda.is_initialized()
