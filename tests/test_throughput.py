@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import anydevice as ad
+from anydevice.matmul import strict_fp32
 from anydevice.throughput import Peak, dtype_name, peak_tflops
 from ranks import process_tree_guard, run_ranks
 
@@ -130,6 +131,25 @@ def test_dtype_names():
     assert dtype_name(torch.float16) == "fp16" and dtype_name(torch.float64) == "fp64"
     assert dtype_name(torch.float8_e4m3fn) == "fp8"
     assert dtype_name(torch.float32, torch.device("cuda"), tf32=True) == "tf32"
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_get_fp32_precision_getter"),
+    reason="torch's fp32_precision settings arrived in torch 2.9",
+)
+def test_a_flop_number_on_cuda_is_set_against_tf32_where_torchs_settings_say_so():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from anydevice.throughput import _dtype_in_use
+
+    with FakeTensorMode():  # torch places it on cuda:0; no data, no GPU
+        a = torch.empty(64, 64, device="cuda")
+    cuda = torch.device("cuda", 0)
+    with strict_fp32():  # restores every setting exactly
+        assert _dtype_in_use(cuda, (a,)) == "fp32"
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # torch's current API
+        assert _dtype_in_use(cuda, (a,)) == "tf32"
+        assert _dtype_in_use(torch.device("cpu"), (torch.ones(2),)) == "fp32"
 
 
 # ----------------------------------------------------------------------------- two ranks

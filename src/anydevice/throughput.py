@@ -183,7 +183,7 @@ def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
         if first is not None:
             dtype = first.dtype
             break
-    tf32 = dev.type == "cuda" and MathSettings.capture().matmul_precision != "highest"
+    tf32 = dev.type == "cuda" and MathSettings.capture().precision("matmul") == "tf32"
     return dtype_name(dtype, dev, tf32=tf32)
 
 
