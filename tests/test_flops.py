@@ -177,6 +177,20 @@ def test_measurement_rates_are_flops_over_the_median_against_the_peak():
     assert ad.Measurement(times=(1.0,)).tflops is None
 
 
+def test_a_rate_above_the_peak_gives_no_mfu_but_the_reason():
+    from anydevice.throughput import Peak
+
+    peak = Peak(1.0, "fp32", "measured: fp32 matmul 2048^3 on cpu")
+    m = ad.Measurement(times=(0.5, 0.5, 0.5, 0.5, 0.5), flops=7 * 10**11, peak=peak)
+    assert m.tflops == pytest.approx(1.4)
+    assert m.mfu is None
+    assert m.mfu_invalid is not None and m.mfu_invalid.startswith("the rate is 1.4x the peak")
+    assert "measured under other conditions" in m.mfu_invalid
+    assert "140" not in repr(m) and "MFU not given: the rate is 1.4x the peak" in repr(m)
+    assert m.to_dict()["mfu"] is None and m.to_dict()["mfu_invalid"] == m.mfu_invalid
+    assert ad.Measurement(times=(1.0,), flops=10**12, peak=peak).mfu == 1.0
+
+
 def test_timeit_counts_flops_and_sets_them_against_the_cpus_measured_peak():
     from anydevice.throughput import peak_tflops
 
@@ -186,7 +200,11 @@ def test_timeit_counts_flops_and_sets_them_against_the_cpus_measured_peak():
     assert m.flops == 2 * n**3
     peak = peak_tflops("cpu", "fp32")
     assert m.peak == peak and peak is not None and peak.measured
-    assert m.mfu == pytest.approx(2 * n**3 / m.median / 1e12 / peak.tflops)
+    share = 2 * n**3 / m.median / 1e12 / peak.tflops
+    if share <= 1:
+        assert m.mfu == pytest.approx(share) and m.mfu_invalid is None
+    else:  # a busy machine: the peak was measured at another moment, under other load
+        assert m.mfu is None and "measured under other conditions" in str(m.mfu_invalid)
     assert m.to_dict()["peak_source"].startswith("measured: fp32 matmul")
 
 

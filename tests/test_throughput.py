@@ -8,7 +8,7 @@ import torch
 
 import anydevice as ad
 from anydevice.matmul import strict_fp32
-from anydevice.throughput import Peak, dtype_name, peak_tflops
+from anydevice.throughput import Peak, ThroughputStats, dtype_name, peak_tflops
 from ranks import process_tree_guard, run_ranks
 
 
@@ -101,16 +101,117 @@ def test_bad_arguments_are_refused(kwargs, message):
         ad.Throughput(device="cpu", **kwargs)
 
 
+def two_steps(meter: ad.Throughput, clock: FakeClock, seconds: float = 0.1) -> ThroughputStats:
+    meter.step()
+    clock.now += seconds
+    meter.step()
+    return meter.compute()
+
+
 def test_auto_peak_on_the_cpu_is_the_measured_matmul():
     clock = FakeClock()
-    meter = ad.Throughput(flops_per_step=1e9, device="cpu", clock=clock)
-    meter.step()
-    clock.now += 0.1
-    meter.step()
-    s = meter.compute()
+    s = two_steps(ad.Throughput(flops_per_step=1e9, dtype="fp32", device="cpu", clock=clock), clock)
     peak = peak_tflops("cpu", "fp32")
     assert s.peak == peak and peak is not None and peak.measured
-    assert s.mfu == pytest.approx(0.01 / peak.tflops)
+    assert s.mfu == pytest.approx(0.01 / peak.tflops) and s.mfu_invalid is None
+
+
+# ----------------------------------------------------------------------------- the step's dtype
+
+
+def test_the_meter_does_not_guess_the_dtype_of_the_math():
+    clock = FakeClock()
+    s = two_steps(ad.Throughput(flops_per_step=1e9, device="cpu", clock=clock), clock)
+    assert s.tflops == pytest.approx(0.01)  # the rate is known; its share of a peak is not
+    assert s.mfu is None and s.peak is None
+    assert "dtype of the step's math is unknown" in str(s.mfu_invalid)
+    assert "dtype=" in str(s.mfu_invalid) and "ad.flops(step)" in str(s.mfu_invalid)
+    assert "MFU not given: the dtype" in repr(s)
+
+
+@pytest.mark.parametrize("where", ["built inside autocast", "stepped inside autocast"])
+def test_a_bf16_autocast_step_is_set_against_the_bf16_peak(where):
+    clock = FakeClock()
+    if where == "built inside autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+        s = two_steps(meter, clock)
+    else:
+        meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = two_steps(meter, clock)
+    assert s.peak is not None and s.peak.dtype == "bf16"
+    assert s.peak == peak_tflops("cpu", "bf16")
+
+
+def test_a_flop_count_brings_its_dtype():
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        count = ad.flops(layer, x)
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=count, device="cpu", clock=clock)
+    s = two_steps(meter, clock)  # the steps run outside autocast: only the count tells
+    assert meter.flops_per_step == count.total == 2 * 8 * 64 * 64
+    assert s.tflops == pytest.approx(count.total / 0.1 / 1e12)
+    assert s.peak is not None and s.peak.dtype == "bf16"
+
+
+def test_a_dtype_given_wins():
+    clock = FakeClock()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        meter = ad.Throughput(flops_per_step=1e6, dtype="fp64", device="cpu", clock=clock)
+        s = two_steps(meter, clock)
+    assert s.peak is not None and s.peak.dtype == "fp64"
+
+
+def test_autocast_seen_in_two_dtypes_is_not_one_dtype():
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        meter.step()
+    clock.now += 0.1
+    with torch.autocast("cpu", dtype=torch.float16):
+        meter.step()
+    s = meter.compute()
+    assert s.mfu is None and "bf16 and fp16" in str(s.mfu_invalid)
+
+
+def test_an_unknown_dtype_name_is_refused():
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' .* 'bf16'"):
+        ad.Throughput(flops_per_step=1.0, dtype="bfloat16", device="cpu")
+
+
+# ----------------------------------------------------------------------------- MFU above 100 %
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        ("measured: fp32 matmul 2048^3 on cpu", "measured under other conditions"),
+        ("H100 SXM datasheet, dense fp32", "faster dtype than fp32"),
+        ("given", "give its real peak"),
+    ],
+)
+def test_a_rate_above_the_peak_is_no_mfu(source, why):
+    clock = FakeClock()
+    peak = Peak(10.0, "fp32", source)
+    meter = ad.Throughput(flops_per_step=1.41e12, peak=peak, device="cpu", clock=clock)
+    s = two_steps(meter, clock, seconds=0.1)  # 14.1 TFLOP/s against a peak of 10
+    assert s.tflops == pytest.approx(14.1)
+    assert s.mfu is None and s.peak == peak
+    assert "1.41x the peak: 14.1 against 10 TFLOP/s" in str(s.mfu_invalid)
+    assert why in str(s.mfu_invalid)
+    assert "141" not in repr(s) and "MFU not given: the rate is 1.41x" in repr(s)
+    assert s.to_dict()["mfu"] is None and s.to_dict()["mfu_invalid"] == s.mfu_invalid
+
+
+def test_a_rate_at_the_peak_is_an_mfu_of_one():
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=1e12, peak=10.0, device="cpu", clock=clock)
+    s = two_steps(meter, clock, seconds=0.1)
+    assert s.mfu == 1.0 and s.mfu_invalid is None
+    assert "MFU 100.0% of 10 (given)" in repr(s)
 
 
 def test_a_real_loop_on_the_cpu_is_timed_with_perf_counter():
