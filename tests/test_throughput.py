@@ -325,6 +325,27 @@ def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
     assert metered <= 1.01 * bare, (metered, bare)
 
 
+@pytest.mark.cuda
+def test_a_bf16_autocast_loop_on_a_gpu_is_set_against_the_bf16_peak():
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+
+    count = ad.flops(step)
+    meter = ad.Throughput(flops_per_step=count, device="cuda")  # built and stepped outside
+    for _ in range(20):
+        step()
+        meter.step()
+    s = meter.compute()
+    assert count.dtype == "bf16"
+    assert s.peak is not None and s.peak.dtype == "bf16"
+    assert s.mfu is not None and 0 < s.mfu <= 1, s
+
+
 @pytest.mark.skipif(torch.cuda.is_initialized(), reason="this process already uses CUDA")
 def test_without_a_device_the_meter_times_the_cpu_when_no_accelerator_is_in_use():
     meter = ad.Throughput(samples_per_step=1, peak=None)

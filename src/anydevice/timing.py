@@ -395,9 +395,12 @@ def timeit(
     the FLOPs of the first warm-up call (:func:`~anydevice.flops.flops`, an extra call when
     ``warmup=0``) and the dtype they ran in; a :class:`~anydevice.flops.FlopCount` brings
     both; a number is taken as FLOPs per call, in the dtype autocast sets at this call, else
-    that of the first floating tensor among the arguments (TF32 for fp32 on CUDA inside
-    :func:`~anydevice.matmul.fast_matmul`). The peak is the datasheet's, else a matmul
-    measured once here (:func:`~anydevice.throughput.peak_tflops`).
+    that of the first floating tensor among the arguments (TF32 for fp32 on CUDA where
+    torch's matmul setting resolves to TF32: :func:`~anydevice.matmul.fast_matmul`,
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, the legacy flags). The peak is
+    the datasheet's, else a matmul measured once here
+    (:func:`~anydevice.throughput.peak_tflops`). A rate above the peak gives no MFU:
+    ``mfu`` is None and ``mfu_invalid`` says why.
 
     >>> import torch
     >>> a = torch.randn(64, 64)
