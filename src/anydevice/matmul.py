@@ -154,25 +154,28 @@ class MathSettings:
     #: legacy ``torch.get_float32_matmul_precision()``'s answer; None where torch refuses
     #: (the new API set a state the legacy one cannot name)
     matmul_precision: str | None
-    #: legacy ``torch.backends.cudnn.allow_tf32``'s answer; None where torch refuses
+    #: whether cuDNN convolutions and RNNs both run in TF32, what the legacy
+    #: ``torch.backends.cudnn.allow_tf32`` means; None where the two differ
     cudnn_tf32: bool | None
     #: every fp32_precision node as its getter resolves it, root first; empty before 2.9
     tree: tuple[tuple[Node, str], ...] = ()
 
     @classmethod
     def capture(cls) -> MathSettings:
-        """Read the settings in force: the tree first, then the legacy getters."""
-        with _legacy_on_purpose():
-            if not _has_tree():  # torch < 2.9: only the legacy flags exist
-                return cls(
-                    torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
-                )
-            tree = tuple((node, _get(node)) for node in (_GENERIC, *_PARENTS, *_LEAVES))
-            return cls(
-                _answer(torch.get_float32_matmul_precision),
-                _answer(lambda: bool(torch._C._get_cudnn_allow_tf32())),
-                tree,
-            )
+        """Read the settings in force: the tree first, then the legacy matmul getter.
+
+        Nothing is written, not even the warning filters: no getter read here warns (the
+        legacy cuDNN getter does in torch 2.9 to 2.12, so its meaning is read off the tree).
+        """
+        if not _has_tree():  # torch < 2.9: only the legacy flags exist
+            return cls(torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32))
+        tree = tuple((node, _get(node)) for node in (_GENERIC, *_PARENTS, *_LEAVES))
+        cudnn = {dict(tree)[leaf] == "tf32" for leaf in _CUDNN}
+        return cls(
+            _answer(torch.get_float32_matmul_precision),
+            cudnn.pop() if len(cudnn) == 1 else None,
+            tree,
+        )
 
     def precision(self, op: str = "matmul", backend: str = "cuda") -> str:
         """What fp32 ``op`` (``"matmul"``, ``"conv"``, ``"rnn"``) runs in on ``backend``
