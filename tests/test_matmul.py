@@ -223,10 +223,12 @@ def test_a_reading_after_the_new_api_answers_where_the_legacy_getters_refuse() -
     torch.set_float32_matmul_precision("highest")
     torch.backends.cuda.matmul.fp32_precision = "tf32"  # new API only: "a mix" for legacy
     torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.rnn.fp32_precision = "tf32"
     with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
         torch.get_float32_matmul_precision()
     s = MathSettings.capture()
-    assert s.matmul_precision is None and s.cudnn_tf32 is None  # refused, not guessed
+    assert s.matmul_precision is None  # refused, not guessed
+    assert s.cudnn_tf32 is None  # conv and RNN differ: no one legacy flag says it
     assert (s.precision("matmul"), s.precision("conv"), s.precision("rnn")) == (
         "tf32",
         "ieee",

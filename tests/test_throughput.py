@@ -228,6 +228,51 @@ def test_a_real_loop_on_the_cpu_is_timed_with_perf_counter():
     assert s.samples_per_s == pytest.approx(640 / s.seconds)
 
 
+def test_the_cpus_measured_peak_is_kept_per_thread_count():
+    threads = torch.get_num_threads()
+    if threads == 1:
+        pytest.skip("torch runs one thread here: no other count to compare")
+    assert peak_tflops("cpu", "fp32").source.endswith(f"on cpu, {threads} threads")  # type: ignore[union-attr]
+    torch.set_num_threads(1)
+    try:
+        one = peak_tflops("cpu", "fp32")
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and one.source.endswith("on cpu, 1 thread")
+
+
+def test_measuring_a_peak_leaves_settings_that_already_fit_alone():
+    import sys
+
+    from anydevice.throughput import _measured_peak
+
+    written: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        name = getattr(arg, "__name__", "")
+        if event == "c_call" and name.startswith("_set_") and "precision" in name:
+            written.append(name)
+
+    _measured_peak.cache_clear()
+    with strict_fp32():  # full fp32 already: nothing to switch for an fp32 peak
+        sys.setprofile(profile)
+        try:
+            peak = peak_tflops("cpu", "fp64")
+            peak = peak_tflops("cpu", "fp32")
+        finally:
+            sys.setprofile(None)
+        assert written == [] and peak is not None and peak.tflops > 0
+        torch.set_float32_matmul_precision("medium")  # oneDNN may compute fp32 in bf16 now
+        _measured_peak.cache_clear()
+        sys.setprofile(profile)
+        try:
+            peak_tflops("cpu", "fp32")
+        finally:
+            sys.setprofile(None)
+        assert written  # measured under full fp32 all the same, then put back
+        assert torch.get_float32_matmul_precision() == "medium"
+
+
 def test_dtype_names():
     assert dtype_name(torch.float16) == "fp16" and dtype_name(torch.float64) == "fp64"
     assert dtype_name(torch.float8_e4m3fn) == "fp8"

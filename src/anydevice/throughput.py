@@ -7,9 +7,10 @@ always named:
 * the vendor's datasheet (dense math, boost clock) for a GPU in
   :mod:`anydevice.doctor.peaks`: "H100 SXM datasheet, dense bf16";
 * otherwise a square matmul measured here, in that dtype (the CPU, MPS, a GPU the table
-  does not know): "measured: fp32 matmul 2048^3 on cpu". It is measured once per process
-  and device and dtype, in about a second, and is what this device reaches on dense
-  matmuls, so an MFU against it reads "share of the best this device did".
+  does not know): "measured: fp32 matmul 2048^3 on cpu, 2 threads". It is measured once
+  per process and device and dtype (and number of threads, on the CPU), in about a second,
+  and is what this device reaches on dense matmuls, so an MFU against it reads "share of
+  the best this device did".
 
 No peak is ever guessed: a dtype the table lacks for a listed GPU (fp8 on an A100) has
 none, and an MFU is then None. Nor is an MFU above 100 % ever given: a rate above the peak
@@ -28,6 +29,7 @@ another dtype than the math ran in), so the MFU is None and ``mfu_invalid`` says
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 import time
@@ -162,19 +164,22 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
             return Peak(value, dtype, f"{table.model} datasheet, dense {dtype}")
     if dtype not in _DTYPES or (dtype == "tf32" and dev.type != "cuda"):
         return None
-    tflops, n = _measured_peak(str(dev), dtype)
-    return Peak(tflops, dtype, f"measured: {dtype} matmul {n}^3 on {dev}")
+    # The CPU's rate follows torch's thread count: a peak measured with other threads than
+    # the step would make a wrong MFU, so each count has its own.
+    threads = torch.get_num_threads() if dev.type == "cpu" else 0
+    tflops, n = _measured_peak(str(dev), dtype, threads)
+    on = f"{dev}, {threads} thread{'s' if threads != 1 else ''}" if threads else str(dev)
+    return Peak(tflops, dtype, f"measured: {dtype} matmul {n}^3 on {on}")
 
 
 @functools.cache
-def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
+def _measured_peak(device: str, dtype: str, threads: int) -> tuple[float, int]:
     """The best TFLOP/s of square matmuls of growing size, and the size that reached it.
 
     Sizes double from 256 until one call lasts ``_MEASURE_CALL_S`` (so a CPU without native
-    bf16, ~0.3 GFLOP/s, stops at the first size) or reach the cap. Kept for the process:
-    the hardware does not change under it.
+    bf16, ~0.3 GFLOP/s, stops at the first size) or reach the cap. Kept for the process
+    (per number of CPU threads): the hardware does not change under it.
     """
-    from anydevice.matmul import fast_matmul
     from anydevice.timing import timeit
 
     dev = torch.device(device)
@@ -183,7 +188,7 @@ def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
     while n <= cap:
         a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
         b = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
-        with fast_matmul() if dtype == "tf32" else strict_fp32():
+        with _math_for(dev, dtype):
             seconds = timeit(torch.mm, a, b, warmup=1, min_time=0.1, device=dev).median
         del a, b
         rate = 2 * n**3 / seconds / 1e12
@@ -193,6 +198,25 @@ def _measured_peak(device: str, dtype: str) -> tuple[float, int]:
             break
         n *= 2
     return best, best_n
+
+
+def _math_for(dev: torch.device, dtype: str) -> contextlib.AbstractContextManager[object]:
+    """The fp32 math settings a ``dtype`` peak is measured under: TF32 for "tf32", full
+    fp32 for "fp32". Left alone where they already are so (the settings are process-wide:
+    another thread's matmul would see them move), and for dtypes they do not touch."""
+    from anydevice.matmul import fast_matmul
+
+    if dtype not in ("fp32", "tf32"):
+        return contextlib.nullcontext()
+    now = MathSettings.capture()
+    if dev.type in ("cuda", "cpu"):  # cuBLAS, and oneDNN (bf16 or TF32 on some CPUs)
+        current = now.precision("matmul", "cuda" if dev.type == "cuda" else "mkldnn")
+    else:  # other backends read the legacy setting
+        current = "ieee" if now.matmul_precision == "highest" else "reduced"
+    wanted = "tf32" if dtype == "tf32" else "ieee"
+    if current == wanted:
+        return contextlib.nullcontext()
+    return fast_matmul() if dtype == "tf32" else strict_fp32()
 
 
 def rates_for(
