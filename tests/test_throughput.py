@@ -190,7 +190,7 @@ def test_an_unknown_dtype_name_is_refused():
     [
         ("measured: fp32 matmul 2048^3 on cpu", "measured under other conditions"),
         ("H100 SXM datasheet, dense fp32", "faster dtype than fp32"),
-        ("given", "give its real peak"),
+        ("given", "give the device's real peak"),
     ],
 )
 def test_a_rate_above_the_peak_is_no_mfu(source, why):

@@ -109,7 +109,7 @@ class Peak:
                 "quiet machine, close in time"
             )
         elif self.source == "given":
-            why = f"given as the {self.dtype} peak, which this device exceeds: give its real peak"
+            why = "given: give the device's real peak in the dtype the step's math runs in"
         else:
             why = (
                 f"({self.source}). The math ran in a faster dtype than {self.dtype} (TF32 or "
@@ -381,8 +381,10 @@ class Throughput:
         dtype: str | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
+        from anydevice.flops import FlopCount
+
         counted: str | None = None
-        if flops_per_step is not None and not isinstance(flops_per_step, (int, float)):
+        if isinstance(flops_per_step, FlopCount):
             counted, flops_per_step = flops_per_step.dtype, flops_per_step.total
         if window < 1:
             raise ValueError(f"window must be >= 1 step, not {window}")
