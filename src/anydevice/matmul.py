@@ -8,8 +8,8 @@ value of ``"none"`` inherits from the level above. The legacy getters check the 
 agreement and raise when they disagree (``"mix of the legacy and new APIs"``).
 
 :class:`MathSettings` reads what is in force and writes nothing: each tree value as torch
-resolves it (what cuBLAS and cuDNN read), and the legacy getters' answers, or None where
-they refuse. :func:`fast_matmul` sets both APIs, so code inside reads consistent values
+resolves it (what cuBLAS and cuDNN read), and the legacy matmul getter's answer, or None
+where it refuses. :func:`fast_matmul` sets both APIs, so code inside reads consistent values
 whichever API it asks, and on exit restores what was there, including state the getters
 do not show: which tree values are inherited rather than set, and the legacy values hidden
 behind them. Finding that hidden state out moves settings for an instant, so only
@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
 import torch
 
 from anydevice.errors import PrecisionError
 
 __all__ = ["MathSettings", "fast_matmul", "strict_fp32"]
-
-_T = TypeVar("_T")
 
 Node = tuple[str, str]  #: (backend, op) in torch's fp32_precision tree
 _GENERIC: Node = ("generic", "all")
@@ -171,11 +169,11 @@ class MathSettings:
             return cls(torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32))
         tree = tuple((node, _get(node)) for node in (_GENERIC, *_PARENTS, *_LEAVES))
         cudnn = {dict(tree)[leaf] == "tf32" for leaf in _CUDNN}
-        return cls(
-            _answer(torch.get_float32_matmul_precision),
-            cudnn.pop() if len(cudnn) == 1 else None,
-            tree,
-        )
+        try:
+            matmul: str | None = torch.get_float32_matmul_precision()
+        except RuntimeError:  # "a mix of the legacy and new APIs": no legacy name for it
+            matmul = None
+        return cls(matmul, cudnn.pop() if len(cudnn) == 1 else None, tree)
 
     def precision(self, op: str = "matmul", backend: str = "cuda") -> str:
         """What fp32 ``op`` (``"matmul"``, ``"conv"``, ``"rnn"``) runs in on ``backend``
@@ -199,15 +197,6 @@ class MathSettings:
         else:
             value = "tf32" if self.cudnn_tf32 else "ieee"
         return value if value in ("tf32", "bf16") else "ieee"
-
-
-def _answer(read: Callable[[], _T]) -> _T | None:
-    """A legacy getter's answer, None where it refuses: after the new API set a value the
-    legacy one cannot name, torch raises "a mix of the legacy and new APIs"."""
-    try:
-        return read()
-    except RuntimeError:
-        return None
 
 
 @dataclass(frozen=True)
