@@ -150,6 +150,10 @@ def test_the_table_agrees_with_torchs_calculator_on_this_gpu():
     if peak is None:
         pytest.skip(f"{info.name} is not in the peaks table")
     limits = GPULimits(torch.device("cuda", 0))
-    if limits.compute_capability not in (80, 90) or not limits.device_properties.clock_rate:
+    if limits.compute_capability not in (80, 90):
         pytest.skip(f"torch's calculator has no rates for sm_{limits.compute_capability}")
+    props = limits.device_properties
+    if not getattr(props, "clock_rate", 0) or not getattr(props, "memory_clock_rate", 0):
+        # CUDA 13 dropped the clocks from cudaDeviceProp; torch may report them as 0
+        pytest.skip("this torch build reports no SM or memory clock")
     check_against_torch(peak, limits, exact=False)
