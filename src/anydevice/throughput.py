@@ -251,10 +251,14 @@ def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
     return dtype_name(dtype, dev, tf32=tf32)
 
 
+#: Device types with an autocast torch reports on.
+_AUTOCAST_KINDS = ("cuda", "cpu", "xpu", "mps")
+
+
 def _autocast_dtype(dev: torch.device) -> str | None:
     """The dtype autocast computes in on ``dev``'s type now, None where it is off."""
     kind = dev.type
-    if kind not in ("cuda", "cpu", "xpu", "mps") or not torch.is_autocast_enabled(kind):
+    if kind not in _AUTOCAST_KINDS or not torch.is_autocast_enabled(kind):
         return None
     return dtype_name(torch.get_autocast_dtype(kind), dev)
 
@@ -413,7 +417,8 @@ class Throughput:
         self._counted_dtype = counted
         # Autocast dtypes seen, per device type: where the meter was built, and at steps.
         self._autocast: dict[str, set[str]] = {}
-        for kind in ("cuda", "cpu", "xpu", "mps"):
+        self._kind: str | None = ""  # "": the device is not known yet
+        for kind in _AUTOCAST_KINDS:
             if self._device is None or self._device.type == kind:
                 self._see_autocast(torch.device(kind))
         self._peak_arg = peak
@@ -437,6 +442,15 @@ class Throughput:
             self._events = self._event_class()
         return self._device
 
+    def _autocast_kind(self) -> str | None:
+        """The device type whose autocast each step looks at (None: one without autocast),
+        found when the device is, at the first step, and kept as a string: reading
+        ``torch.device.type`` costs as much as the rest of a step on the CPU."""
+        if self._kind == "":
+            kind = self._resolve().type
+            self._kind = kind if kind in _AUTOCAST_KINDS else None
+        return self._kind
+
     def _event_class(self) -> Any:
         return None if self._clocked else _event_class(self.device)
 
@@ -453,7 +467,9 @@ class Throughput:
     ) -> None:
         """Mark the end of one step; ``samples``/``tokens``/``flops`` override the per-step
         numbers for this step (a last, smaller batch)."""
-        self._see_autocast(self._resolve())
+        kind = self._autocast_kind()  # resolves the device at the first step
+        if kind is not None and torch.is_autocast_enabled(kind):
+            self._see_autocast(self.device)
         if self._events is None:
             mark: Any = self._now()
         else:
