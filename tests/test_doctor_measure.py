@@ -27,7 +27,7 @@ from anydevice.doctor.measure import (
 from anydevice.doctor.peaks import gpu_peak, pcie_peak
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError
 from anydevice.inventory import Inventory, inventory
-from anydevice.matmul import MathSettings
+from anydevice.matmul import MathSettings, _Saved
 from machines import cpu_device, gpu, host, machine
 
 #: Seconds a run may take past its budget here: one call predicted from the size below it,
@@ -212,7 +212,7 @@ def test_progress_counts_every_step_ends_done_and_shows_the_time_left():
 
 
 def test_strict_fp32_turns_reduced_precision_off_and_restores_it():
-    before = MathSettings.capture()
+    before = _Saved.save()  # MathSettings only reads; this puts everything back
     torch.set_float32_matmul_precision("high")
     try:
         outer = MathSettings.capture()

@@ -11,6 +11,7 @@ from torch import nn
 
 import anydevice as ad
 from anydevice.flops import FlopCount
+from anydevice.matmul import strict_fp32
 
 
 def test_linear_forward_is_two_flops_per_multiply_add():
@@ -176,6 +177,20 @@ def test_measurement_rates_are_flops_over_the_median_against_the_peak():
     assert ad.Measurement(times=(1.0,)).tflops is None
 
 
+def test_a_rate_above_the_peak_gives_no_mfu_but_the_reason():
+    from anydevice.throughput import Peak
+
+    peak = Peak(1.0, "fp32", "measured: fp32 matmul 2048^3 on cpu")
+    m = ad.Measurement(times=(0.5, 0.5, 0.5, 0.5, 0.5), flops=7 * 10**11, peak=peak)
+    assert m.tflops == pytest.approx(1.4)
+    assert m.mfu is None
+    assert m.mfu_invalid is not None and m.mfu_invalid.startswith("the rate is 1.4x the peak")
+    assert "measured under other conditions" in m.mfu_invalid
+    assert "140" not in repr(m) and "MFU not given: the rate is 1.4x the peak" in repr(m)
+    assert m.to_dict()["mfu"] is None and m.to_dict()["mfu_invalid"] == m.mfu_invalid
+    assert ad.Measurement(times=(1.0,), flops=10**12, peak=peak).mfu == 1.0
+
+
 def test_timeit_counts_flops_and_sets_them_against_the_cpus_measured_peak():
     from anydevice.throughput import peak_tflops
 
@@ -185,7 +200,11 @@ def test_timeit_counts_flops_and_sets_them_against_the_cpus_measured_peak():
     assert m.flops == 2 * n**3
     peak = peak_tflops("cpu", "fp32")
     assert m.peak == peak and peak is not None and peak.measured
-    assert m.mfu == pytest.approx(2 * n**3 / m.median / 1e12 / peak.tflops)
+    share = 2 * n**3 / m.median / 1e12 / peak.tflops
+    if share <= 1:
+        assert m.mfu == pytest.approx(share) and m.mfu_invalid is None
+    else:  # a busy machine: the peak was measured at another moment, under other load
+        assert m.mfu is None and "measured under other conditions" in str(m.mfu_invalid)
     assert m.to_dict()["peak_source"].startswith("measured: fp32 matmul")
 
 
@@ -250,6 +269,119 @@ def test_fp32_matmul_under_fast_matmul_is_set_against_tf32():
         count = ad.flops(torch.mm, a, a)
     assert count.by_dtype == {"tf32": 2 * 1024**3}
     assert ad.flops(torch.mm, a, a).dtype == "fp32"
+
+
+# ----------------------------------------------------------------------------- TF32 settings
+
+
+def cuda_shaped(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Tensors torch places on cuda:0 (shape, dtype and device propagate through real ops),
+    with no data and no GPU: torch's own FakeTensorMode, which torch.compile traces with.
+    The counting and the settings it reads are the real ones; no kernel runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return [torch.empty(*shape, device="cuda") for shape in shapes]
+
+
+def set_new_api(path: str, value: str) -> None:
+    """``torch.backends.<path>.fp32_precision = value``: torch's current TF32 API (2.9+)."""
+    node: object = torch.backends
+    for part in filter(None, path.split(".")):
+        node = getattr(node, part)
+    node.fp32_precision = value  # type: ignore[attr-defined]
+
+
+NODES = [("generic", "all")] + [
+    (b, op) for b in ("cuda", "mkldnn") for op in ("all", "matmul", "conv", "rnn")
+]
+NEW_API = pytest.mark.skipif(
+    not hasattr(torch._C, "_get_fp32_precision_getter"),
+    reason="torch's fp32_precision settings arrived in torch 2.9",
+)
+
+
+@NEW_API
+@pytest.mark.parametrize(
+    ("path", "value", "op", "expected"),
+    [
+        ("cuda.matmul", "tf32", "mm", "tf32"),  # the leaf cuBLAS reads
+        ("", "tf32", "mm", "tf32"),  # the root, inherited down to the matmul leaf
+        ("cudnn", "tf32", "mm", "tf32"),  # the cuda level is the matmul leaf's parent too
+        ("cuda.matmul", "ieee", "mm", "fp32"),
+        ("cudnn.conv", "ieee", "conv", "fp32"),  # the leaf cuDNN reads
+        ("cudnn", "ieee", "conv", "fp32"),  # conv inherits from the cuda level
+        ("", "ieee", "conv", "fp32"),
+        ("cudnn.conv", "tf32", "conv", "tf32"),
+    ],
+)
+def test_tf32_set_through_torchs_fp32_precision_tree_decides_the_dtype(path, value, op, expected):
+    shapes = [(2, 3, 16, 16), (8, 3, 3, 3)] if op == "conv" else [(64, 64), (64, 64)]
+    x, w = cuda_shaped(*shapes)
+    call = torch.mm if op == "mm" else torch.nn.functional.conv2d
+    with strict_fp32():  # every setting is restored exactly after the block
+        for node in NODES:  # nothing set anywhere: each leaf inherits from the root
+            torch._C._set_fp32_precision_setter(*node, "none")
+        set_new_api(path, value)
+        count = ad.flops(call, x, w)
+    assert count.device == "cuda:0"
+    assert count.by_dtype == {expected: count.total} and count.total > 0
+
+
+def test_tf32_set_through_the_legacy_flags_decides_the_dtype_too():
+    a, x, w = cuda_shaped((32, 32), (1, 3, 8, 8), (4, 3, 3, 3))
+    with strict_fp32():
+        assert ad.flops(torch.mm, a, a).dtype == "fp32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert ad.flops(torch.mm, a, a).dtype == "tf32"
+        torch.backends.cudnn.allow_tf32 = False
+        assert ad.flops(torch.nn.functional.conv2d, x, w).dtype == "fp32"
+        torch.backends.cudnn.allow_tf32 = True
+        assert ad.flops(torch.nn.functional.conv2d, x, w).dtype == "tf32"
+
+
+def test_tf32_turned_on_inside_the_counted_call_is_seen():
+    (a,) = cuda_shaped((32, 32))
+
+    def turns_tf32_on() -> None:
+        torch.mm(a, a)
+        with ad.fast_matmul():
+            torch.mm(a, a)
+
+    with strict_fp32():
+        count = ad.flops(turns_tf32_on)
+    assert count.by_dtype == {"fp32": 2 * 32**3, "tf32": 2 * 32**3}
+
+
+def test_tf32_is_a_cuda_mode_only():
+    a = torch.randn(32, 32)
+    with ad.fast_matmul():
+        assert ad.flops(torch.mm, a, a).dtype == "fp32"
+
+
+def test_an_fp8_matmul_is_counted_as_fp8():
+    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 64).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes
+    one = torch.tensor(1.0)
+    count = ad.flops(torch._scaled_mm, a, b, one, one, out_dtype=torch.bfloat16)
+    assert count.by_op == {"_scaled_mm": 2 * 32 * 64 * 16}
+    assert count.by_dtype == {"fp8": 2 * 32 * 64 * 16}
+
+
+@pytest.mark.cuda
+@NEW_API
+def test_tf32_through_the_new_api_is_set_against_the_tf32_peak_on_a_gpu():
+    n = 2048
+    a = torch.randn(n, n, device="cuda")
+    with strict_fp32():
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        count = ad.flops(torch.mm, a, a)
+        by_count = ad.timeit(torch.mm, a, a, flops=count, min_time=0.1)
+        by_number = ad.timeit(torch.mm, a, a, flops=2 * n**3, min_time=0.1)
+    assert count.by_dtype == {"tf32": 2 * n**3}
+    for m in (by_count, by_number):
+        assert m.peak is not None and m.peak.dtype == "tf32", m
+        assert m.mfu is not None and 0 < m.mfu <= 1, m
 
 
 def test_control_flow_the_counter_counts_its_own_way_is_noted():

@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import anydevice as ad
-from anydevice.matmul import MathSettings
+from anydevice.matmul import MathSettings, _Saved
 
 NODES = [
     ("generic", "all"),
@@ -53,7 +54,7 @@ def observe() -> tuple[object, ...]:
 @pytest.fixture(autouse=True)
 def leave_settings_as_found() -> Iterator[None]:
     # Clean-up only (torch's initial cuDNN state cannot be written back once a test sets it).
-    saved = MathSettings.capture()
+    saved = _Saved.save()
     yield
     saved.restore()
 
@@ -132,6 +133,133 @@ def test_legacy_getters_stay_readable_inside_after_new_api_settings() -> None:
         assert torch.backends.cuda.matmul.allow_tf32 is True
         assert torch.backends.cudnn.allow_tf32 is True
         assert torch.get_float32_matmul_precision() == "high"
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+SETTERS = {
+    "_set_fp32_precision_setter",
+    "_set_float32_matmul_precision",
+    "_set_cublas_allow_tf32",
+    "_set_cudnn_allow_tf32",
+    "_set_onednn_allow_tf32",
+}
+
+
+def setters_called(fn: Callable[[], object]) -> list[str]:
+    """Names of torch's math-setting setters that ``fn`` calls (sys.setprofile sees every
+    call into C from Python)."""
+    called: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        name = getattr(arg, "__name__", "")
+        if event == "c_call" and name in SETTERS:
+            called.append(name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+STATES = {
+    "as torch starts": lambda: None,
+    "legacy high": lambda: torch.set_float32_matmul_precision("high"),
+    "new API root tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "new API matmul leaf tf32": lambda: setattr(
+        torch.backends.cuda.matmul, "fp32_precision", "tf32"
+    ),
+    "new API conv ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+}
+
+
+@pytest.mark.parametrize("state", STATES)
+def test_reading_the_settings_writes_nothing(state: str) -> None:
+    STATES[state]()
+    before = observe()
+    called = setters_called(MathSettings.capture)
+    assert called == [], f"capture() called {len(called)} setter(s): {sorted(set(called))}"
+    assert observe() == before
+
+    def writes() -> None:
+        with ad.fast_matmul():
+            pass
+
+    assert setters_called(writes)  # the check sees writes
+
+
+def test_another_thread_never_sees_a_reading() -> None:
+    # A matmul on another thread runs in whatever the settings say at that instant: a
+    # reading that moved them, even for a microsecond, would change its precision.
+    torch.backends.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    expected = observe()
+    seen: set[tuple[object, ...]] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.add(observe())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for _ in range(3000):
+            MathSettings.capture()
+    finally:
+        done.set()
+        watcher.join(timeout=30)
+        sys.setswitchinterval(interval)
+    assert not watcher.is_alive()
+    assert seen == {expected}, f"another thread saw {len(seen) - 1} other state(s)"
+
+
+def test_a_reading_after_the_new_api_answers_where_the_legacy_getters_refuse() -> None:
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # new API only: "a mix" for legacy
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.rnn.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
+        torch.get_float32_matmul_precision()
+    s = MathSettings.capture()
+    assert s.matmul_precision is None  # refused, not guessed
+    assert s.cudnn_tf32 is None  # conv and RNN differ: no one legacy flag says it
+    assert (s.precision("matmul"), s.precision("conv"), s.precision("rnn")) == (
+        "tf32",
+        "ieee",
+        "tf32",
+    )
+    assert s.precision("matmul", "mkldnn") == "ieee"
+
+
+def test_the_precision_read_follows_inheritance_as_torch_resolves_it() -> None:
+    for node in NODES:
+        torch._C._set_fp32_precision_setter(*node, "none")
+    assert MathSettings.capture().precision("matmul") == "ieee"  # nothing set: full fp32
+    torch.backends.fp32_precision = "tf32"
+    assert MathSettings.capture().precision("conv") == "tf32"
+    torch.backends.cudnn.fp32_precision = "ieee"  # the cuda level overrides the root
+    s = MathSettings.capture()
+    assert (s.precision("matmul"), s.precision("conv")) == ("ieee", "ieee")
+    assert s.precision("matmul", "mkldnn") == "tf32"
+
+
+def test_an_unknown_op_is_refused_with_the_names_that_exist() -> None:
+    with pytest.raises(ValueError, match="op=.attention.*'matmul', 'conv', 'rnn'"):
+        MathSettings.capture().precision("attention")
+
+
+def test_fast_matmul_yields_what_was_in_force() -> None:
+    torch.set_float32_matmul_precision("highest")
+    with ad.fast_matmul() as before:
+        assert before.matmul_precision == "highest" and before.precision("matmul") == "ieee"
+        assert MathSettings.capture().precision("matmul") == "tf32"
+    assert MathSettings.capture() == before
 
 
 # ----------------------------------------------------------------------------- exactness

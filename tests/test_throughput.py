@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.throughput import Peak, dtype_name, peak_tflops
+from anydevice.matmul import strict_fp32
+from anydevice.throughput import Peak, ThroughputStats, dtype_name, peak_tflops
 from ranks import process_tree_guard, run_ranks
 
 
@@ -100,16 +101,117 @@ def test_bad_arguments_are_refused(kwargs, message):
         ad.Throughput(device="cpu", **kwargs)
 
 
+def two_steps(meter: ad.Throughput, clock: FakeClock, seconds: float = 0.1) -> ThroughputStats:
+    meter.step()
+    clock.now += seconds
+    meter.step()
+    return meter.compute()
+
+
 def test_auto_peak_on_the_cpu_is_the_measured_matmul():
     clock = FakeClock()
-    meter = ad.Throughput(flops_per_step=1e9, device="cpu", clock=clock)
-    meter.step()
-    clock.now += 0.1
-    meter.step()
-    s = meter.compute()
+    s = two_steps(ad.Throughput(flops_per_step=1e9, dtype="fp32", device="cpu", clock=clock), clock)
     peak = peak_tflops("cpu", "fp32")
     assert s.peak == peak and peak is not None and peak.measured
-    assert s.mfu == pytest.approx(0.01 / peak.tflops)
+    assert s.mfu == pytest.approx(0.01 / peak.tflops) and s.mfu_invalid is None
+
+
+# ----------------------------------------------------------------------------- the step's dtype
+
+
+def test_the_meter_does_not_guess_the_dtype_of_the_math():
+    clock = FakeClock()
+    s = two_steps(ad.Throughput(flops_per_step=1e9, device="cpu", clock=clock), clock)
+    assert s.tflops == pytest.approx(0.01)  # the rate is known; its share of a peak is not
+    assert s.mfu is None and s.peak is None
+    assert "dtype of the step's math is unknown" in str(s.mfu_invalid)
+    assert "dtype=" in str(s.mfu_invalid) and "ad.flops(step)" in str(s.mfu_invalid)
+    assert "MFU not given: the dtype" in repr(s)
+
+
+@pytest.mark.parametrize("where", ["built inside autocast", "stepped inside autocast"])
+def test_a_bf16_autocast_step_is_set_against_the_bf16_peak(where):
+    clock = FakeClock()
+    if where == "built inside autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+        s = two_steps(meter, clock)
+    else:
+        meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = two_steps(meter, clock)
+    assert s.peak is not None and s.peak.dtype == "bf16"
+    assert s.peak == peak_tflops("cpu", "bf16")
+
+
+def test_a_flop_count_brings_its_dtype():
+    layer = torch.nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        count = ad.flops(layer, x)
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=count, device="cpu", clock=clock)
+    s = two_steps(meter, clock)  # the steps run outside autocast: only the count tells
+    assert meter.flops_per_step == count.total == 2 * 8 * 64 * 64
+    assert s.tflops == pytest.approx(count.total / 0.1 / 1e12)
+    assert s.peak is not None and s.peak.dtype == "bf16"
+
+
+def test_a_dtype_given_wins():
+    clock = FakeClock()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        meter = ad.Throughput(flops_per_step=1e6, dtype="fp64", device="cpu", clock=clock)
+        s = two_steps(meter, clock)
+    assert s.peak is not None and s.peak.dtype == "fp64"
+
+
+def test_autocast_seen_in_two_dtypes_is_not_one_dtype():
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=1e6, device="cpu", clock=clock)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        meter.step()
+    clock.now += 0.1
+    with torch.autocast("cpu", dtype=torch.float16):
+        meter.step()
+    s = meter.compute()
+    assert s.mfu is None and "bf16 and fp16" in str(s.mfu_invalid)
+
+
+def test_an_unknown_dtype_name_is_refused():
+    with pytest.raises(ValueError, match=r"dtype='bfloat16' .* 'bf16'"):
+        ad.Throughput(flops_per_step=1.0, dtype="bfloat16", device="cpu")
+
+
+# ----------------------------------------------------------------------------- MFU above 100 %
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        ("measured: fp32 matmul 2048^3 on cpu", "measured under other conditions"),
+        ("H100 SXM datasheet, dense fp32", "faster dtype than fp32"),
+        ("given", "give the device's real peak"),
+    ],
+)
+def test_a_rate_above_the_peak_is_no_mfu(source, why):
+    clock = FakeClock()
+    peak = Peak(10.0, "fp32", source)
+    meter = ad.Throughput(flops_per_step=1.41e12, peak=peak, device="cpu", clock=clock)
+    s = two_steps(meter, clock, seconds=0.1)  # 14.1 TFLOP/s against a peak of 10
+    assert s.tflops == pytest.approx(14.1)
+    assert s.mfu is None and s.peak == peak
+    assert "1.41x the peak: 14.1 against 10 TFLOP/s" in str(s.mfu_invalid)
+    assert why in str(s.mfu_invalid)
+    assert "141" not in repr(s) and "MFU not given: the rate is 1.41x" in repr(s)
+    assert s.to_dict()["mfu"] is None and s.to_dict()["mfu_invalid"] == s.mfu_invalid
+
+
+def test_a_rate_at_the_peak_is_an_mfu_of_one():
+    clock = FakeClock()
+    meter = ad.Throughput(flops_per_step=1e12, peak=10.0, device="cpu", clock=clock)
+    s = two_steps(meter, clock, seconds=0.1)
+    assert s.mfu == 1.0 and s.mfu_invalid is None
+    assert "MFU 100.0% of 10 (given)" in repr(s)
 
 
 def test_a_real_loop_on_the_cpu_is_timed_with_perf_counter():
@@ -126,10 +228,74 @@ def test_a_real_loop_on_the_cpu_is_timed_with_perf_counter():
     assert s.samples_per_s == pytest.approx(640 / s.seconds)
 
 
+def test_the_cpus_measured_peak_is_kept_per_thread_count():
+    threads = torch.get_num_threads()
+    if threads == 1:
+        pytest.skip("torch runs one thread here: no other count to compare")
+    assert peak_tflops("cpu", "fp32").source.endswith(f"on cpu, {threads} threads")  # type: ignore[union-attr]
+    torch.set_num_threads(1)
+    try:
+        one = peak_tflops("cpu", "fp32")
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None and one.source.endswith("on cpu, 1 thread")
+
+
+def test_measuring_a_peak_leaves_settings_that_already_fit_alone():
+    import sys
+
+    from anydevice.throughput import _measured_peak
+
+    written: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        name = getattr(arg, "__name__", "")
+        if event == "c_call" and name.startswith("_set_") and "precision" in name:
+            written.append(name)
+
+    _measured_peak.cache_clear()
+    with strict_fp32():  # full fp32 already: nothing to switch for an fp32 peak
+        sys.setprofile(profile)
+        try:
+            peak = peak_tflops("cpu", "fp64")
+            peak = peak_tflops("cpu", "fp32")
+        finally:
+            sys.setprofile(None)
+        assert written == [] and peak is not None and peak.tflops > 0
+        torch.set_float32_matmul_precision("medium")  # oneDNN may compute fp32 in bf16 now
+        _measured_peak.cache_clear()
+        sys.setprofile(profile)
+        try:
+            peak_tflops("cpu", "fp32")
+        finally:
+            sys.setprofile(None)
+        assert written  # measured under full fp32 all the same, then put back
+        assert torch.get_float32_matmul_precision() == "medium"
+
+
 def test_dtype_names():
     assert dtype_name(torch.float16) == "fp16" and dtype_name(torch.float64) == "fp64"
     assert dtype_name(torch.float8_e4m3fn) == "fp8"
     assert dtype_name(torch.float32, torch.device("cuda"), tf32=True) == "tf32"
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_get_fp32_precision_getter"),
+    reason="torch's fp32_precision settings arrived in torch 2.9",
+)
+def test_a_flop_number_on_cuda_is_set_against_tf32_where_torchs_settings_say_so():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from anydevice.throughput import _dtype_in_use
+
+    with FakeTensorMode():  # torch places it on cuda:0; no data, no GPU
+        a = torch.empty(64, 64, device="cuda")
+    cuda = torch.device("cuda", 0)
+    with strict_fp32():  # restores every setting exactly
+        assert _dtype_in_use(cuda, (a,)) == "fp32"
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # torch's current API
+        assert _dtype_in_use(cuda, (a,)) == "tf32"
+        assert _dtype_in_use(torch.device("cpu"), (torch.ones(2),)) == "fp32"
 
 
 # ----------------------------------------------------------------------------- two ranks
@@ -202,6 +368,27 @@ def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
     bare = min(loop(False) for _ in range(5))
     metered = min(loop(True) for _ in range(5))
     assert metered <= 1.01 * bare, (metered, bare)
+
+
+@pytest.mark.cuda
+def test_a_bf16_autocast_loop_on_a_gpu_is_set_against_the_bf16_peak():
+    model = torch.nn.Linear(4096, 4096, device="cuda")
+    x = torch.randn(4096, 4096, device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+
+    count = ad.flops(step)
+    meter = ad.Throughput(flops_per_step=count, device="cuda")  # built and stepped outside
+    for _ in range(20):
+        step()
+        meter.step()
+    s = meter.compute()
+    assert count.dtype == "bf16"
+    assert s.peak is not None and s.peak.dtype == "bf16"
+    assert s.mfu is not None and 0 < s.mfu <= 1, s
 
 
 @pytest.mark.skipif(torch.cuda.is_initialized(), reason="this process already uses CUDA")

@@ -6,8 +6,10 @@ computed from it) for matmuls, convolutions and attention, forward and backward.
 it, :func:`flops` keeps what the counter does not show:
 
 * the module tree with **forward and backward apart** (the counter adds them up),
-* the **dtype** each FLOP ran in (bf16 under autocast, TF32 for fp32 matmuls on CUDA with
-  :func:`~anydevice.matmul.fast_matmul`), so an MFU can be set against the right peak,
+* the **dtype** each FLOP ran in (bf16 under autocast, fp8 for fp8 matmuls, TF32 for fp32
+  matmuls and convolutions on CUDA where torch's settings allow it: ``fast_matmul``,
+  ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` or the legacy flags), so an MFU
+  can be set against the right peak,
 * the ops that ran and that the counter has **no formula for** although they plausibly do
   real math (a cuDNN RNN, a linear solve, an FFT, a custom op): counted as zero by torch,
   named here, so a total that is too low says so.
@@ -48,7 +50,8 @@ _HEAVY = re.compile(
 _NO_MATH = frozenset(
     {"prim", "prims", "profiler", "c10d", "_c10d_functional", "_c10d_functional_autograd"}
 )
-#: Op families whose fp32 work runs in TF32 when the matching switch is on (CUDA only).
+#: Op families whose fp32 work runs in TF32 when torch's matmul (cuBLAS) or conv (cuDNN)
+#: setting says so (CUDA only).
 _MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
 _CONV_OPS = frozenset({"convolution", "_convolution", "cudnn_convolution", "convolution_backward"})
 _DTYPE_NAMES = {
@@ -223,7 +226,7 @@ def flops(fn: Callable[..., object], *args: Any, meta: bool = False, **kwargs: A
     if meta:
         fn, args, kwargs = _to_meta((fn, args, kwargs))
     counter = FlopCounterMode(display=False, custom_mapping=_cpu_attention())
-    recorder = _Recorder(counter, _tf32_switches())
+    recorder = _Recorder(counter)
     with recorder, counter:
         fn(*args, **kwargs)
     phases = recorder.counts
@@ -297,14 +300,6 @@ def _attention_backward(
     return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
 
 
-def _tf32_switches() -> tuple[bool, bool]:
-    """Whether fp32 matmuls and fp32 cuDNN convolutions run in TF32 now (on CUDA)."""
-    from anydevice.matmul import MathSettings
-
-    s = MathSettings.capture()
-    return s.matmul_precision != "highest", s.cudnn_tf32
-
-
 class _Recorder(TorchDispatchMode):
     """Sees every op the counter runs (it is entered first, so it sits below the counter on
     the mode stack) and splits the counter's formulas by phase, module and dtype.
@@ -313,10 +308,9 @@ class _Recorder(TorchDispatchMode):
     and ``mod_tracker`` (a ``ModuleTracker``: ``parents`` and ``is_bw``).
     """
 
-    def __init__(self, counter: Any, tf32: tuple[bool, bool]) -> None:
+    def __init__(self, counter: Any) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         self.counter = counter
-        self.tf32_matmul, self.tf32_conv = tf32
         self.counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self.counts["Global"]  # first, so the tree keeps call order below it
         self.by_op: dict[str, int] = defaultdict(int)
@@ -357,12 +351,25 @@ class _Recorder(TorchDispatchMode):
 
     def _dtype(self, op: str, tensor: torch.Tensor) -> str:
         dtype = tensor.dtype
-        tf32 = (op in _MATMUL_OPS and self.tf32_matmul) or (op in _CONV_OPS and self.tf32_conv)
-        if dtype == torch.float32 and tensor.device.type == "cuda" and tf32:
+        if dtype == torch.float32 and tensor.device.type == "cuda" and _tf32(op):
             return "tf32"
         if dtype.is_floating_point and dtype.itemsize == 1:
             return "fp8"
         return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _tf32(op: str) -> bool:
+    """Whether an fp32 ``op`` on CUDA runs in TF32 now: the value torch resolves at the
+    ``matmul`` leaf (cuBLAS) or the ``conv`` leaf (cuDNN) of its fp32 math settings,
+    whichever API set them. Read when the op runs (a ``fn`` may turn TF32 on inside), and
+    read only: nothing is written."""
+    from anydevice.matmul import MathSettings
+
+    if op in _MATMUL_OPS:
+        return MathSettings.capture().precision("matmul") == "tf32"
+    if op in _CONV_OPS:
+        return MathSettings.capture().precision("conv") == "tf32"
+    return False
 
 
 def _heavy(name: str) -> bool:

@@ -7,9 +7,13 @@ backend (``cudnn`` = cuda, ``mkldnn``), then per op (``matmul``, ``conv``, ``rnn
 value of ``"none"`` inherits from the level above. The legacy getters check the two for
 agreement and raise when they disagree (``"mix of the legacy and new APIs"``).
 
-:func:`fast_matmul` sets both APIs, so code inside reads consistent values whichever API it
-asks, and on exit restores what was there, including state the getters do not show: which
-tree values are inherited rather than set, and the legacy values hidden behind them.
+:class:`MathSettings` reads what is in force and writes nothing: each tree value as torch
+resolves it (what cuBLAS and cuDNN read), and the legacy matmul getter's answer, or None
+where it refuses. :func:`fast_matmul` sets both APIs, so code inside reads consistent values
+whichever API it asks, and on exit restores what was there, including state the getters
+do not show: which tree values are inherited rather than set, and the legacy values hidden
+behind them. Finding that hidden state out moves settings for an instant, so only
+:func:`fast_matmul` and :func:`strict_fp32` do it: they change the settings anyway.
 """
 
 from __future__ import annotations
@@ -131,13 +135,78 @@ def _legacy_cudnn(tree: dict[Node, str]) -> bool:
 
 @dataclass(frozen=True)
 class MathSettings:
+    """The fp32 math settings in force, as torch's getters show them. Reading writes nothing.
+
+    ``precision(op)`` is what an fp32 op runs in: the value torch resolves at that leaf
+    of its ``fp32_precision`` tree (``"none"`` inherits from the level above), which is
+    what cuBLAS and cuDNN read; before torch 2.9, the legacy flags.
+
+    >>> with fast_matmul():
+    ...     s = MathSettings.capture()
+    >>> s.precision("matmul"), s.precision("conv")
+    ('tf32', 'tf32')
+    >>> MathSettings.capture().precision("matmul")  # the block restored the settings
+    'ieee'
+    """
+
+    #: legacy ``torch.get_float32_matmul_precision()``'s answer; None where torch refuses
+    #: (the new API set a state the legacy one cannot name)
+    matmul_precision: str | None
+    #: whether cuDNN convolutions and RNNs both run in TF32, what the legacy
+    #: ``torch.backends.cudnn.allow_tf32`` means; None where the two differ
+    cudnn_tf32: bool | None
+    #: every fp32_precision node as its getter resolves it, root first; empty before 2.9
+    tree: tuple[tuple[Node, str], ...] = ()
+
+    @classmethod
+    def capture(cls) -> MathSettings:
+        """Read the settings in force: the tree first, then the legacy matmul getter.
+
+        Nothing is written, not even the warning filters: no getter read here warns (the
+        legacy cuDNN getter does in torch 2.9 to 2.12, so its meaning is read off the tree).
+        """
+        if not _has_tree():  # torch < 2.9: only the legacy flags exist
+            return cls(torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32))
+        tree = tuple((node, _get(node)) for node in (_GENERIC, *_PARENTS, *_LEAVES))
+        cudnn = {dict(tree)[leaf] == "tf32" for leaf in _CUDNN}
+        try:
+            matmul: str | None = torch.get_float32_matmul_precision()
+        except RuntimeError:  # "a mix of the legacy and new APIs": no legacy name for it
+            matmul = None
+        return cls(matmul, cudnn.pop() if len(cudnn) == 1 else None, tree)
+
+    def precision(self, op: str = "matmul", backend: str = "cuda") -> str:
+        """What fp32 ``op`` (``"matmul"``, ``"conv"``, ``"rnn"``) runs in on ``backend``
+        (``"cuda"``: cuBLAS and cuDNN; ``"mkldnn"``: oneDNN on CPUs): ``"tf32"``,
+        ``"bf16"`` or ``"ieee"`` (full fp32).
+
+        Raises:
+            ValueError: ``op`` or ``backend`` names no leaf of torch's tree.
+        """
+        if (backend, op) not in _LEAVES:
+            raise ValueError(
+                f"precision(op={op!r}, backend={backend!r}): op is one of 'matmul', 'conv', "
+                "'rnn' and backend one of 'cuda', 'mkldnn'."
+            )
+        if self.tree:
+            value = dict(self.tree)[(backend, op)]
+        elif backend == "mkldnn":
+            value = "bf16" if op == "matmul" and self.matmul_precision == "medium" else "ieee"
+        elif op == "matmul":
+            value = "ieee" if self.matmul_precision == "highest" else "tf32"
+        else:
+            value = "tf32" if self.cudnn_tf32 else "ieee"
+        return value if value in ("tf32", "bf16") else "ieee"
+
+
+@dataclass(frozen=True)
+class _Saved:
     """Every fp32 math setting :func:`fast_matmul` changes, as stored, to put back exactly.
 
-    >>> s = MathSettings.capture()
-    >>> torch.set_float32_matmul_precision("medium")
-    >>> s.restore()
-    >>> MathSettings.capture() == s
-    True
+    What a node stores (a value, or ``"none"``: inherited) and the legacy values behind
+    the tree are not what the getters show: :meth:`save` finds them out by moving a parent
+    and seeing whether the node follows, and puts everything back before it returns.
+    Other threads may see those moves, so only code that changes the settings anyway saves.
     """
 
     matmul_precision: str  #: legacy: torch.get_float32_matmul_precision()'s value
@@ -146,13 +215,13 @@ class MathSettings:
     tree: tuple[tuple[Node, str], ...] = ()
 
     @classmethod
-    def capture(cls) -> MathSettings:
-        """Read the current settings (briefly moving some, to tell stored from inherited)."""
+    def save(cls) -> _Saved:
+        """The stored settings (briefly moving some, to tell stored from inherited)."""
         with _legacy_on_purpose():
             return cls._read()
 
     @classmethod
-    def _read(cls) -> MathSettings:
+    def _read(cls) -> _Saved:
         if not _has_tree():  # torch < 2.9: only the legacy flags exist
             return cls(torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32))
         tree = {_GENERIC: _get(_GENERIC)}  # the root inherits from nothing
@@ -176,7 +245,7 @@ class MathSettings:
         if not self.tree:
             torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
             return
-        if MathSettings.capture().cudnn_tf32 != self.cudnn_tf32:
+        if _Saved._read().cudnn_tf32 != self.cudnn_tf32:
             torch.backends.cudnn.allow_tf32 = self.cudnn_tf32  # writes cuDNN conv and RNN
         for node, value in self.tree:
             if value != DEFAULT:
@@ -217,7 +286,7 @@ def fast_matmul(precision: Literal["high", "medium"] = "high") -> Iterator[MathS
             matmuls in bf16 on CPUs that have it (AVX512-BF16, AMX).
 
     Yields:
-        The :class:`MathSettings` that were in force before, restored on exit.
+        The :class:`MathSettings` that were in force before, restored exactly on exit.
 
     Raises:
         PrecisionError: ``precision`` is neither ``"high"`` nor ``"medium"``.
@@ -227,11 +296,12 @@ def fast_matmul(precision: Literal["high", "medium"] = "high") -> Iterator[MathS
             f"fast_matmul({precision!r}): use 'high' (TF32) or 'medium' (TF32, and bf16 for "
             "oneDNN fp32 matmuls on CPUs that have it)."
         )
-    saved = MathSettings.capture()
+    before = MathSettings.capture()
+    saved = _Saved.save()
     try:
         with _legacy_on_purpose():
             saved._turn_on(precision)
-        yield saved
+        yield before
     finally:
         saved.restore()
 
@@ -243,7 +313,7 @@ def strict_fp32() -> Iterator[None]:
     What fp32 throughput is measured under. cuDNN's flag is left alone: writing it would
     lose torch's initial conv/RNN state, which no setter can put back, and no matmul reads it.
     """
-    saved = MathSettings.capture()
+    saved = _Saved.save()
     try:
         with _legacy_on_purpose():
             torch.set_float32_matmul_precision("highest")

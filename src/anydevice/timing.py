@@ -157,12 +157,23 @@ class Measurement:
 
     @property
     def mfu(self) -> float | None:
-        """``tflops`` as a share of the peak (model FLOPs utilisation); None when either is
-        unknown. ``peak.source`` says whether the peak is a datasheet's or measured here."""
+        """``tflops`` as a share of the peak (model FLOPs utilisation), never above 1; None
+        when either is unknown, or when the rate exceeds the peak (:attr:`mfu_invalid` says
+        why). ``peak.source`` says whether the peak is a datasheet's or measured here."""
         tflops = self.tflops
-        if tflops is None or self.peak is None or self.peak.tflops <= 0:
+        if tflops is None or self.peak is None:
             return None
-        return tflops / self.peak.tflops
+        return self.peak.share(tflops)[0]
+
+    @property
+    def mfu_invalid(self) -> str | None:
+        """Why there is no MFU although FLOPs and a peak are known: a rate above the peak
+        means the two were not measured alike (a peak measured under load, TF32 or bf16
+        math set against an fp32 peak). None otherwise."""
+        tflops = self.tflops
+        if tflops is None or self.peak is None:
+            return None
+        return self.peak.share(tflops)[1]
 
     def quantile(self, q: float) -> float:
         """The ``q`` quantile of the samples (0.5 is the median), linearly interpolated."""
@@ -210,6 +221,7 @@ class Measurement:
             "flops": self.flops,
             "tflops": self.tflops,
             "mfu": self.mfu,
+            "mfu_invalid": self.mfu_invalid,
             "peak_tflops": None if self.peak is None else self.peak.tflops,
             "peak_source": None if self.peak is None else self.peak.source,
             "times": list(self.times),
@@ -233,6 +245,8 @@ class Measurement:
             rate = f"  {self.tflops:.4g} TFLOP/s ({self.flops:.4g} FLOP per call)"
             if self.mfu is not None and self.peak is not None:
                 rate += f", MFU {self.mfu:.1%} of {self.peak.tflops:.4g} ({self.peak.source})"
+            elif self.mfu_invalid is not None:
+                rate += f", MFU not given: {self.mfu_invalid}"
             else:
                 rate += ", MFU unknown: no peak is known for this device and dtype"
             lines.append(rate)
@@ -381,9 +395,12 @@ def timeit(
     the FLOPs of the first warm-up call (:func:`~anydevice.flops.flops`, an extra call when
     ``warmup=0``) and the dtype they ran in; a :class:`~anydevice.flops.FlopCount` brings
     both; a number is taken as FLOPs per call, in the dtype autocast sets at this call, else
-    that of the first floating tensor among the arguments (TF32 for fp32 on CUDA inside
-    :func:`~anydevice.matmul.fast_matmul`). The peak is the datasheet's, else a matmul
-    measured once here (:func:`~anydevice.throughput.peak_tflops`).
+    that of the first floating tensor among the arguments (TF32 for fp32 on CUDA where
+    torch's matmul setting resolves to TF32: :func:`~anydevice.matmul.fast_matmul`,
+    ``torch.backends.cuda.matmul.fp32_precision = "tf32"``, the legacy flags). The peak is
+    the datasheet's, else a matmul measured once here
+    (:func:`~anydevice.throughput.peak_tflops`). A rate above the peak gives no MFU:
+    ``mfu`` is None and ``mfu_invalid`` says why.
 
     >>> import torch
     >>> a = torch.randn(64, 64)

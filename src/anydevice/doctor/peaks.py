@@ -21,37 +21,51 @@ class GpuPeak:
     """Datasheet peaks of one GPU model: dense TFLOP/s per dtype and memory bandwidth."""
 
     model: str
-    tflops: dict[str, float]  #: "fp32", "tf32", "bf16", "fp16" -> dense TFLOP/s
+    #: "fp32", "tf32", "bf16", "fp16", "fp8", "fp64" -> dense TFLOP/s; a dtype the
+    #: datasheet gives no figure for is absent
+    tflops: dict[str, float]
     memory_gbps: float  #: device memory bandwidth, GB/s
 
 
-# Dense TFLOP/s from the datasheets: fp32, tf32, bf16 and fp16 (bf16 and tf32 None where the
-# GPU has none), and memory bandwidth in GB/s. Matched on the device name; the first match
-# wins, so variants come before their family, and "GH200" (Grace Hopper: the H100's compute
-# with 96 GB of HBM3 at 4.0 TB/s, or 144 GB of HBM3e at 4.9 TB/s) before "H200".
-_ROWS: tuple[tuple[str, str, float, float | None, float | None, float, float], ...] = (
-    # pattern        model        fp32   tf32   bf16   fp16   memory
-    (r"GH200.*144G", "GH200 144GB", 67.0, 494.7, 989.4, 989.4, 4900.0),
-    (r"GH200",       "GH200 480GB", 67.0,  494.7, 989.4, 989.4, 4000.0),
-    (r"\bH200 NVL",  "H200 NVL",  60.0,  417.5, 835.5, 835.5, 4800.0),
-    (r"\bH200",      "H200 SXM",  67.0,  494.7, 989.4, 989.4, 4800.0),
-    (r"\bH100 NVL",  "H100 NVL",  60.0,  417.5, 835.5, 835.5, 3900.0),
-    (r"\bH100 PCIe", "H100 PCIe", 51.2,  378.0, 756.0, 756.0, 2000.0),
-    (r"\bH100",      "H100 SXM",  67.0,  494.7, 989.4, 989.4, 3350.0),
-    (r"A100.*80GB",  "A100 80GB", 19.5,  156.0, 312.0, 312.0, 2039.0),
-    (r"A100",        "A100 40GB", 19.5,  156.0, 312.0, 312.0, 1555.0),
-    (r"L40S",        "L40S",      91.6,  183.0, 362.1, 362.1,  864.0),
-    (r"\bL4\b",      "L4",        30.3,   60.0, 121.0, 121.0,  300.0),
-    (r"\bA10\b",     "A10",       31.2,   62.5, 125.0, 125.0,  600.0),
-    (r"\bT4\b",      "T4",         8.1,   None,  None,  65.0,  320.0),
-    (r"V100.*PCIE",  "V100 PCIe", 14.0,   None,  None, 112.0,  900.0),
-    (r"V100",        "V100 SXM2", 15.7,   None,  None, 125.0,  900.0),
+_Row = tuple[str, str, float, float | None, float | None, float, float | None, float | None, float]
+
+# Dense TFLOP/s from NVIDIA's datasheets (the sparse figures halved), and memory bandwidth
+# in GB/s; None where the GPU has no such unit or its datasheet gives no figure.
+# * fp32: CUDA cores (no Tensor Cores). tf32, bf16, fp16, fp8: Tensor Cores.
+# * fp64: the "FP64 Tensor Core" figure where the GPU has them (A100, H100, H200, GH200:
+#   what cuBLAS's DGEMM reaches), the plain FP64 figure on V100; none for the L40S, L4,
+#   A10 and T4, whose datasheets give none (their fp64 is 1/32 or 1/64 of fp32).
+# * The Hopper datasheets rate Tensor Cores at a lower clock than fp32 and fp64 (H100 SXM:
+#   1830 against 1980 MHz), so tf32..fp8 are ~8 % under SMs x clock x rate.
+# Matched on the device name; the first match wins, so variants come before their family:
+# "GH200" (Grace Hopper: the H100's compute with 96 GB of HBM3 at 4.0 TB/s, or 144 GB of
+# HBM3e at 4.9 TB/s) before "H200", and the A100 80GB PCIe (HBM2e at 1935 GB/s) before
+# the SXM4 80GB (2039 GB/s).
+_ROWS: tuple[_Row, ...] = (
+    # pattern             model            fp32   tf32   bf16   fp16    fp8     fp64  memory
+    (r"GH200.*144G",      "GH200 144GB",   67.0, 494.7, 989.4, 989.4, 1978.9,  67.0, 4900.0),
+    (r"GH200",            "GH200 480GB",   67.0, 494.7, 989.4, 989.4, 1978.9,  67.0, 4000.0),
+    (r"\bH200 NVL",       "H200 NVL",      60.0, 417.5, 835.5, 835.5, 1670.5,  60.0, 4800.0),
+    (r"\bH200",           "H200 SXM",      67.0, 494.7, 989.4, 989.4, 1978.9,  67.0, 4800.0),
+    (r"\bH100 NVL",       "H100 NVL",      60.0, 417.5, 835.5, 835.5, 1670.5,  60.0, 3900.0),
+    (r"\bH100 PCIe",      "H100 PCIe",     51.2, 378.0, 756.0, 756.0, 1513.0,  51.2, 2000.0),
+    (r"\bH100",           "H100 SXM",      67.0, 494.7, 989.4, 989.4, 1978.9,  67.0, 3350.0),
+    (r"A100.*80GB.*PCIe", "A100 80GB PCIe", 19.5, 156.0, 312.0, 312.0,   None,  19.5, 1935.0),
+    (r"A100.*80GB",       "A100 80GB",     19.5, 156.0, 312.0, 312.0,   None,  19.5, 2039.0),
+    (r"A100",             "A100 40GB",     19.5, 156.0, 312.0, 312.0,   None,  19.5, 1555.0),
+    (r"L40S",             "L40S",          91.6, 183.0, 362.1, 362.1,  733.0,  None,  864.0),
+    (r"\bL4\b",           "L4",            30.3,  60.0, 121.0, 121.0,  242.5,  None,  300.0),
+    (r"\bA10\b",          "A10",           31.2,  62.5, 125.0, 125.0,   None,  None,  600.0),
+    (r"\bT4\b",           "T4",             8.1,  None,  None,  65.0,   None,  None,  320.0),
+    (r"V100.*PCIE",       "V100 PCIe",     14.0,  None,  None, 112.0,   None,   7.0,  900.0),
+    (r"V100",             "V100 SXM2",     15.7,  None,  None, 125.0,   None,   7.8,  900.0),
 )  # fmt: skip
+_COLUMNS = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")
 
 
-def _peak(row: tuple[str, str, float, float | None, float | None, float, float]) -> GpuPeak:
-    _, model, fp32, tf32, bf16, fp16, memory = row
-    dtypes = {"fp32": fp32, "tf32": tf32, "bf16": bf16, "fp16": fp16}
+def _peak(row: _Row) -> GpuPeak:
+    _, model, *values, memory = row
+    dtypes = dict(zip(_COLUMNS, values, strict=True))
     return GpuPeak(model, {k: v for k, v in dtypes.items() if v is not None}, memory)
 
 
