@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from anydevice.errors import MoveError
+from anydevice.errors import DeviceNotFoundError, DeviceSpecError, MoveError
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as _select_device
 
@@ -67,10 +67,33 @@ def target_device(spec: DeviceLike) -> torch.device:
     device(type='meta')
     """
     if type(spec) is torch.device:
-        if spec.index is not None or spec.type in _NO_INDEX:
+        if spec.type in _NO_INDEX:
+            return spec
+        if spec not in _CHECKED:
+            _check_device(spec)
+        if spec.index is not None:
             return spec
         return _with_current_index(spec)
     return _select_device(spec)
+
+
+#: ``torch.device`` objects already checked against this machine (devices do not vanish
+#: from a process, so a check that passed once holds; one that failed is made again).
+_CHECKED: set[torch.device] = set()
+
+
+def _check_device(dev: torch.device) -> None:
+    """Refuse a ``torch.device`` this machine lacks as the same spec string would be
+    refused (``DeviceNotFoundError``), instead of torch's raw error at the first copy
+    (an ``AssertionError`` for CUDA on a CPU-only build). A type anydevice does not know
+    is left for torch to judge."""
+    try:
+        _select_device(dev)
+    except DeviceNotFoundError:
+        raise
+    except DeviceSpecError:
+        pass  # a type torch knows and anydevice does not: torch decides at the copy
+    _CHECKED.add(dev)
 
 
 def _with_current_index(dev: torch.device) -> torch.device:
