@@ -288,6 +288,27 @@ def test_stats_call_a_slow_consumer_compute_bound():
     assert s.total_seconds >= 0.15
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stats_of_a_pass_a_dataset_error_ended_give_no_advice(tmp_path, prefetch):
+    switch = tmp_path / "fail"
+    switch.touch()
+    dl = DataLoader(Squares(8, fail_at=3, switch=switch, delay=0.02), batch_size=1)
+    loader = DeviceLoader(dl, "cpu", prefetch=prefetch)
+    seen = 0
+    with pytest.raises(ValueError, match="bad sample 3"):
+        for _ in loader:
+            seen += 1
+    s = loader.stats
+    assert s.aborted is not None and "ValueError: bad sample 3" in s.aborted
+    assert s.verdict.startswith(f"aborted after {seen} batches by ValueError: bad sample 3")
+    assert "input-bound" not in repr(s) and "num_workers" not in s.verdict
+    switch.unlink()
+    for _ in loader:  # a later complete pass gets its verdict again
+        pass
+    assert loader.stats.aborted is None
+    assert loader.stats.verdict.startswith("input-bound")
+
+
 def test_device_is_resolved_once_from_any_spec(monkeypatch):
     loader = DeviceLoader([torch.ones(1)], "auto")
     assert loader.device == ad.device()

@@ -85,6 +85,9 @@ class LoaderStats:
     device: str
     num_workers: int | None  #: the source DataLoader's, None for other sources
     pinned: bool | None  #: whether the source delivered pinned batches (copy streams only)
+    #: what ended the pass early (``"ValueError: bad sample"``), None for a pass that ran
+    #: or still runs normally; the times of an aborted pass say nothing about the loop
+    aborted: str | None = None
 
     @property
     def wait_fraction(self) -> float:
@@ -101,6 +104,11 @@ class LoaderStats:
     @property
     def verdict(self) -> str:
         """One line: input-bound, copy-bound, or compute-bound — and what to do."""
+        if self.aborted is not None:
+            return (
+                f"aborted after {self.batches} batches by {self.aborted}: no advice from a "
+                "pass that did not finish"
+            )
         if self.batches == 0:
             return "no batch delivered yet"
         share = self.wait_fraction
@@ -147,6 +155,7 @@ class _Counters:
         self.start: float | None = None
         self.last = 0.0
         self.pinned: bool | None = None
+        self.aborted: str | None = None
         self.times = times  #: copy timings, None where copies are not timed
 
 
@@ -296,6 +305,7 @@ class DeviceLoader(Generic[T]):
             device=str(self.device),
             num_workers=getattr(self.loader, "num_workers", None),
             pinned=c.pinned,
+            aborted=c.aborted,
         )
 
     # ------------------------------------------------------------------ iteration
@@ -309,7 +319,11 @@ class DeviceLoader(Generic[T]):
         self._active = run
         try:
             while True:
-                batch = run.next()
+                try:
+                    batch = run.next()
+                except BaseException as e:
+                    run.counters.aborted = _describe(e)
+                    raise
                 if batch is _END:
                     self._end_epoch()
                     return
@@ -332,6 +346,13 @@ class DeviceLoader(Generic[T]):
             f"DeviceLoader({type(self.loader).__name__}, device={str(self.device)!r}, "
             f"prefetch={self.prefetch})"
         )
+
+
+def _describe(e: BaseException) -> str:
+    """``"ValueError: bad sample"``, cut to one short line."""
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    text = text.splitlines()[0] if text else type(e).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 _END: Any = object()  # end of the source
