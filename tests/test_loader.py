@@ -222,7 +222,37 @@ def test_set_epoch_reaches_the_distributed_sampler():
 def test_each_complete_pass_advances_the_epoch_when_the_user_never_sets_it():
     loader = sharded()
     assert [values(loader) for _ in range(3)] == [torch_order(40, e) for e in range(3)]
-    assert loader.sampler.epoch == 3  # the next pass's
+    assert loader.sampler.epoch == 2  # the epoch just run, as torch's sampler reads
+
+
+class IntEpochSampler(DistributedSampler):
+    """A sampler that stores ``int(epoch)``: the loader cannot mark the epoch it set."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
+def test_a_sampler_that_stores_a_plain_int_still_advances_and_keeps_the_users_epoch():
+    ds = Squares(40)
+    sampler = IntEpochSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    assert [values(loader) for _ in range(2)] == [torch_order(40, e) for e in range(2)]
+    sampler.set_epoch(5)
+    assert [values(loader) for _ in range(2)] == [torch_order(40, 5)] * 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_sampler_reads_the_epoch_just_run_as_torchs_does(prefetch):
+    loader = sharded(prefetch=prefetch)
+    for epoch in range(3):  # the DDP tutorial's loop: set, run a full pass, read
+        loader.sampler.set_epoch(epoch)
+        assert values(loader) == torch_order(40, epoch)
+        assert loader.sampler.epoch == epoch
+    auto = sharded(prefetch=prefetch)
+    for epoch in range(2):
+        assert values(auto) == torch_order(40, epoch)
+        assert auto.sampler.epoch == epoch
+        assert str(auto.sampler.epoch) == str(epoch)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])

@@ -145,6 +145,18 @@ class LoaderStats:
         return f"LoaderStats({', '.join(parts)}: {self.verdict})"
 
 
+class _LoaderEpoch(int):
+    """An epoch this loader gave the sampler: an ``int`` in every way, but a call of the
+    sampler's ``set_epoch`` by anyone else replaces it with a plain one, even with the same
+    value. That is how a user's ``loader.sampler.set_epoch(e)`` is recognised while the
+    sampler reads exactly what torch's would (``e`` during and after the pass)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)  # pickled (to a worker, a checkpoint) as a plain int
+
+
 class _Counters:
     """Mutable tallies of one pass; ``LoaderStats`` is their snapshot."""
 
@@ -219,6 +231,7 @@ class DeviceLoader(Generic[T]):
         self._epoch = 0  #: the epoch the next pass uses while the epoch is automatic
         self._epoch_is_users = False  #: set by the user (here or on the sampler): never advanced
         self._epoch_left: int | None = None  #: the sampler's epoch as this loader left it
+        self._marks = False  #: the sampler keeps the _LoaderEpoch it is given
         self._active: _Pass | None = None
 
     # ------------------------------------------------------------------ source-like API
@@ -274,21 +287,34 @@ class DeviceLoader(Generic[T]):
         if self._epoch_is_users:
             return
         now = self._sampler_epoch()
-        left = self._epoch if self._epoch_left is None else self._epoch_left
-        if now is not None and now != left:
-            self._epoch_is_users = True  # loader.sampler.set_epoch(e) was called: theirs
-            return
-        self._set_sampler_epoch(self._epoch)
+        if now is not None:
+            if self._marks:
+                # The sampler holds the _LoaderEpoch this loader set, unless someone
+                # called its set_epoch since (with any value, the same one included).
+                if self._epoch_left is not None and type(now) is not _LoaderEpoch:
+                    self._epoch_is_users = True
+                    return
+            else:
+                left = self._epoch if self._epoch_left is None else self._epoch_left
+                if now != left:
+                    self._epoch_is_users = True  # loader.sampler.set_epoch(e): theirs
+                    return
+        self._set_sampler_epoch(_LoaderEpoch(self._epoch))
         self._epoch_left = self._epoch
+        self._marks = type(self._sampler_epoch()) is _LoaderEpoch
 
     def _end_epoch(self) -> None:
-        """After a complete pass: advance the automatic epoch, on the sampler at once (so
-        that a later ``sampler.set_epoch`` to any other epoch is seen as the user's)."""
+        """After a complete pass: advance the automatic epoch. The sampler keeps the epoch
+        just run, as torch's does; the next pass sets the new one. A sampler that turns the
+        epoch into a plain ``int`` cannot show whether the user set it since: it is then
+        advanced at once, so that a later ``sampler.set_epoch`` to any other epoch is seen
+        as the user's."""
         if self._epoch_is_users:
             return
         self._epoch += 1
-        self._set_sampler_epoch(self._epoch)
-        self._epoch_left = self._epoch
+        if not self._marks:
+            self._set_sampler_epoch(self._epoch)
+            self._epoch_left = self._epoch
 
     @property
     def stats(self) -> LoaderStats:
