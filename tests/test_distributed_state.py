@@ -113,6 +113,74 @@ def test_missing_or_mismatched_checkpoints_name_what_is_missing(tmp_path):
         ad.load_state(tmp_path / "plain.pt", model=net)
 
 
+def _backed_off(p: ad.Precision) -> float:
+    """Drive the fp16 scaler through two overflowing steps (a real inf gradient): its scale
+    backs off from 65536 to 16384, a state a fresh scaler does not have."""
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):
+        with p.autocast():
+            loss = net(torch.full((2, 3), float("inf"))).float().sum()
+        p.backward(loss)
+        assert not p.step(opt)  # skipped: the gradient is not finite
+        opt.zero_grad()
+    scale = p.state_dict()["scaler"]["scale"]
+    assert scale == 16384.0
+    return scale
+
+
+def test_save_state_carries_the_precision_policys_scaler(tmp_path, caplog):
+    p = ad.precision("cpu", "fp16")
+    scale = _backed_off(p)
+    net = model(seed=0)
+    path = ad.save_state(tmp_path / "amp.pt", model=net, precision=p, step=3)
+    fresh = ad.precision("cpu", "fp16")
+    assert fresh.state_dict()["scaler"]["scale"] == 65536.0
+    assert ad.load_state(path, model=model(seed=1), precision=fresh) == {"step": 3}
+    assert fresh.state_dict() == p.state_dict() and fresh.state_dict()["scaler"]["scale"] == scale
+    # resumed in another mode: the scaler state is dropped, as Precision.load_state_dict does
+    assert ad.load_state(path, model=net, precision=ad.precision("cpu", "fp32")) == {"step": 3}
+    # saved without one: the policy keeps its state, and the log says so
+    bare = ad.save_state(tmp_path / "bare.pt", model=net)
+    with caplog.at_level("WARNING", logger="anydevice"):
+        ad.load_state(bare, model=net, precision=fresh)
+    assert "holds no precision state" in caplog.text
+    assert fresh.state_dict()["scaler"]["scale"] == scale
+    with pytest.raises(TypeError, match=r"precision=p"):
+        ad.load_state(path, model=net, precision=p.state_dict())  # type: ignore[arg-type]
+    # the old way, a state dict passed by hand, is still an extra
+    old = ad.save_state(tmp_path / "old.pt", model=net, precision=p.state_dict())
+    assert ad.load_state(old, model=net)["precision"] == p.state_dict()
+
+
+def _save_precision_on_two(folder):
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            p = ad.precision("cpu", "fp16")
+            scale = _backed_off(p)
+            net, opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="ddp")
+            ad.save_state(folder / "amp", model=net, optimizer=opt, precision=p, rank=d.rank)
+            fresh = ad.precision("cpu", "fp16")
+            ad.load_state(folder / "amp", model=net, optimizer=opt, precision=fresh)
+            return {"scale": scale, "resumed": fresh.state_dict()["scaler"]["scale"]}
+
+    return rank
+
+
+def test_sharded_save_state_carries_the_precision_policys_scaler(tmp_path):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (tmp_path / "two").mkdir()
+    two = run_ranks(_save_precision_on_two(folder), 2, tmp_path / "two", timeout=90)
+    assert [out["resumed"] for out in two] == [out["scale"] for out in two] == [16384.0] * 2
+    assert {"precision.rank0.pt", "precision.rank1.pt"} <= {
+        p.name for p in (folder / "amp").iterdir()
+    }
+    fresh = ad.precision("cpu", "fp16")
+    assert ad.load_state(folder / "amp", model=model(seed=2), precision=fresh) == {"rank": 0}
+    assert fresh.state_dict()["scaler"]["scale"] == 16384.0
+
+
 # ----------------------------------------------------------------------------- several ranks
 
 
