@@ -105,7 +105,8 @@ def save_state(
         if precision_state is not None:
             state["precision"] = precision_state
         if target.is_dir():  # a folder saved by several ranks: replaced the same way
-            tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+            _sweep(target)
+            tmp = target.parent / checkpoint.temp_name(target, "tmp")
             _replace(checkpoint.save(state, tmp), target)
             return target
         return checkpoint.save(state, target)
@@ -151,6 +152,8 @@ def load_state(
     _check_precision(precision)
     rank, size = _world()
     source = _resolve(Path(os.fspath(path)))
+    if rank == 0 and source == Path(os.fspath(path)):
+        _sweep(source)  # what saves killed mid-way left beside it
     if source.is_file():
         saved = checkpoint.load(source, "cpu")
         if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
@@ -246,7 +249,7 @@ def _save_sharded(
     if rank == 0:
         _recover(target)
         _remove_leftovers(target)
-        tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+        tmp = target.parent / checkpoint.temp_name(target, "tmp")
         try:
             tmp.mkdir()
             tmp_name[0] = tmp.name
@@ -301,7 +304,7 @@ def _replace(tmp: Path, target: Path) -> None:
     _fsync(tmp)
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.{os.urandom(4).hex()}.old"
+        old = target.parent / checkpoint.temp_name(target, "old")
         os.replace(target, old)
     os.replace(tmp, target)
     _fsync(target.parent)
@@ -317,19 +320,52 @@ def _recover(target: Path) -> None:
     previous checkpoint aside: put it back."""
     if target.exists():
         return
-    aside = sorted(target.parent.glob(f".{target.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    aside = _aside(target)
     if aside:
         logger.warning("save_state: %s restored from %s (a save was cut short)", target, aside[-1])
         os.replace(aside[-1], target)
 
 
+def _aside(target: Path) -> list[Path]:
+    """Previous checkpoints a cut-short :func:`_replace` left aside, oldest first."""
+    found = [Path(e.path) for e, _ in checkpoint.temps(target, "old")]
+    found += target.parent.glob(f".{target.name}.{_HEX8}.old")  # named before writers were
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+_HEX8 = "[0-9a-f]" * 8
+
+
 def _remove_leftovers(target: Path) -> None:
+    """Before a save: remove what earlier saves to ``target`` left (unnamed ones from
+    before temporaries named their writer, and those of dead writers)."""
     for leftover in (
-        *target.parent.glob(f".{target.name}.*.tmp"),
-        *target.parent.glob(f".{target.name}.*.old"),
+        *target.parent.glob(f".{target.name}.{_HEX8}.tmp"),
+        *target.parent.glob(f".{target.name}.{_HEX8}.old"),
     ):
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
+    _sweep(target)
+
+
+def _sweep(target: Path) -> None:
+    """Remove the temporary and set-aside folders beside ``target`` whose writer has died
+    (a rank SIGKILLed mid-save); a live writer's are left alone, and a set-aside
+    checkpoint only once ``target`` is there again."""
+    dead = [e for e in checkpoint.stale_temps(target, "tmp") if e.is_dir(follow_symlinks=False)]
+    if target.exists():
+        dead += [
+            e for e in checkpoint.stale_temps(target, "old") if e.is_dir(follow_symlinks=False)
+        ]
+    for entry in dead:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    if dead:
+        logger.info(
+            "%s: removed %d folder(s) left by saves that were killed: %s",
+            target,
+            len(dead),
+            ", ".join(e.name for e in dead),
+        )
 
 
 def _fsync(folder: Path) -> None:
@@ -347,7 +383,7 @@ def _fsync(folder: Path) -> None:
 def _resolve(path: Path) -> Path:
     if path.exists():
         return path
-    aside = sorted(path.parent.glob(f".{path.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    aside = _aside(path)
     if aside:
         logger.warning("load_state: no %s; loading %s (a save was cut short)", path, aside[-1])
         return aside[-1]
