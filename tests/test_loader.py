@@ -339,6 +339,54 @@ def test_stats_of_a_pass_a_dataset_error_ended_give_no_advice(tmp_path, prefetch
     assert loader.stats.verdict.startswith("input-bound")
 
 
+class Feedback:
+    """A source that makes batch k+1 only once the consumer has used batch k (an RL
+    rollout, a queue fed by the step): it waits, bounded, for the value the consumer sets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.used = threading.Event()
+        self.gave_up = False
+
+    def __iter__(self):
+        for k in range(self.n):
+            if k and not self.used.wait(timeout=10):
+                self.gave_up = True
+                return
+            self.used.clear()
+            yield torch.tensor([float(k)])
+
+
+class FeedbackDataset(torch.utils.data.IterableDataset):
+    def __init__(self, source: Feedback) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("wrap", ["iterable", "dataloader"])
+def test_a_batch_is_delivered_before_the_source_made_the_next(prefetch, wrap):
+    source = Feedback(3)
+    wrapped = source if wrap == "iterable" else DataLoader(FeedbackDataset(source), batch_size=None)
+    loader = DeviceLoader(wrapped, "cpu", prefetch=prefetch)
+    got: list[float] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        for batch in loader:
+            got.append(batch.item())
+            source.used.set()  # the step that lets the source make the next batch
+        done.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert done.wait(timeout=30), f"the loader held a batch back: got {got}"
+    consumer.join(timeout=10)
+    assert got == [0.0, 1.0, 2.0] and not source.gave_up
+
+
 def test_device_is_resolved_once_from_any_spec(monkeypatch):
     loader = DeviceLoader([torch.ones(1)], "auto")
     assert loader.device == ad.device()

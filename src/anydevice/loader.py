@@ -8,7 +8,10 @@ How the CUDA path keeps copies and compute overlapped *and* ordered:
    copy, pinning off it is what makes the copy asynchronous.
 2. Handing out batch k: the *consumer's stream* — the stream current when ``next()`` is
    called — waits on the event recorded after batch k's copy, so no kernel reads it early.
-3. Then batch k+1 is issued on the copy stream (one per device for the whole process,
+3. Then batch k+1 is issued on the copy stream — if the background thread already holds
+   it: the consumer never waits for the lookahead (a source may make batch k+1 only after
+   the step used batch k, an RL rollout say), and a batch not ready yet is issued when the
+   loop asks for it (one per device for the whole process,
    :func:`anydevice.streams.copy_stream`): it waits for the work queued so far on the
    device's default stream, copies (``non_blocking``, from pinned memory), runs
    ``transform`` and records an event. The copy engine runs it while the GPU computes
@@ -39,6 +42,9 @@ each batch after the first also ends the step before it (``torch_xla.sync()``), 
 torch_xla's ``MpDeviceLoader`` does, so the lazy graph is cut and run once per step
 instead of growing over the epoch. On the CPU there is nothing to copy, so by default no
 thread either: a batch costs a few microseconds more than iterating the source itself.
+Without the thread (``prefetch=False``) the source is read only when the loop asks for a
+batch, never ahead: reading ahead on the consumer's thread would block it on a source that
+waits for the consumer.
 """
 
 from __future__ import annotations
@@ -428,6 +434,9 @@ class _Producer:
     def get(self) -> tuple[object, Any, int, bool | None]:
         return self.queue.get()
 
+    def get_nowait(self) -> tuple[object, Any, int, bool | None]:
+        return self.queue.get_nowait()
+
     def close(self, timeout: float = 10.0) -> None:
         self.stop.set()
         deadline = time.monotonic() + timeout
@@ -470,8 +479,20 @@ class _Pass:
 
     # -- fetching on the host
 
-    def _fetch(self) -> tuple[Any, int, bool | None]:
-        """The next host batch (or _END), with its byte count and whether it came pinned."""
+    def _fetch(self, block: bool) -> tuple[Any, int, bool | None] | None:
+        """The next host batch (or _END), with its byte count and whether it came pinned;
+        None when ``block`` is False and no batch is ready: the source has not made it
+        yet (it may be waiting for the consumer), or there is no thread to make it."""
+        if not block:
+            if self.producer is None:
+                return None  # reading the source here could block the consumer
+            try:
+                batch, error, nbytes, pinned = self.producer.get_nowait()
+            except queue.Empty:
+                return None
+            if batch is _ERROR:
+                raise error
+            return batch, nbytes, pinned
         c = self.counters
         t0 = time.perf_counter()
         if c.start is None:
@@ -494,9 +515,13 @@ class _Pass:
 
     # -- issuing on the device
 
-    def _issue(self) -> None:
-        """Fetch the next host batch and start moving it; set ``self.ready``."""
-        batch, nbytes, pinned = self._fetch()
+    def _issue(self, block: bool = True) -> None:
+        """Fetch the next host batch and start moving it; set ``self.ready``. Not
+        ``block``-ing: only a batch the producer already holds (else ``ready`` stays None)."""
+        fetched = self._fetch(block)
+        if fetched is None:
+            return
+        batch, nbytes, pinned = fetched
         if batch is _END:
             self.ready = None
             self.done = True
@@ -560,7 +585,10 @@ class _Pass:
         elif self.xla and self.counters.batches:
             xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
         try:
-            self._issue()  # batch k+1 starts moving while batch k computes
+            # Batch k+1 starts moving while batch k computes, if the source has made it: a
+            # source may make it only after the consumer used batch k (a feedback loop), so
+            # this never waits; the next call fetches it then.
+            self._issue(block=False)
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
         c = self.counters
