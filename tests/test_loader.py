@@ -150,6 +150,59 @@ def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
     assert values(loader) == [float(i) for i in range(16)]
 
 
+ABORTED_PASSES = """
+import sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import psutil
+from torch.utils.data import DataLoader
+from test_loader import Squares, wait_until
+from anydevice.loader import DeviceLoader
+
+switch = Path(sys.argv[1])
+switch.touch()
+me = psutil.Process()
+threads_before = set(threading.enumerate())
+busy = set(me.children())  # the contention the test started
+for _ in range(20):
+    dl = DataLoader(Squares(64, fail_at=9, switch=switch, delay=0.002), batch_size=2,
+                    num_workers=2)
+    try:
+        for _ in DeviceLoader(dl, "cpu", prefetch=True):
+            pass
+    except ValueError:
+        pass
+    else:
+        raise SystemExit("the pass did not fail")
+workers = lambda: [p for p in me.children(recursive=True) if p not in busy and p.is_running()
+                   and p.status() != psutil.STATUS_ZOMBIE]
+extra = lambda: [t.name for t in threading.enumerate() if t not in threads_before]
+wait_until(lambda: not workers() and not extra(), timeout=30)
+print(f"threads left: {extra()}; workers left: {len(workers())}", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_passes_ended_by_a_dataset_error_under_load_release_everything(tmp_path):
+    import subprocess
+    import sys
+
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\n"
+                              "while time.time() < end: pass"]) for _ in range(3)]  # fmt: skip
+    try:
+        argv = [sys.executable, "-c", ABORTED_PASSES, str(tmp_path / "fail")]
+        here = str(Path(__file__).parent)
+        run = subprocess.run([*argv, here], capture_output=True, text=True, timeout=200)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait(timeout=30)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "threads left: []; workers left: 0" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_early_break_leaves_no_thread_and_no_worker(workers):
     me = psutil.Process()

@@ -413,23 +413,31 @@ class _Producer:
         return False
 
     def _run(self) -> None:
+        last: tuple[object, Any, int, bool | None] | None = (_END, None, 0, None)
         try:
             copier = self.copier
             if copier is not None:
                 copier.set_device()  # else pinning makes a context on device 0
             for batch in self.source:
                 if self.stop.is_set():
-                    return
+                    last = None
+                    break
                 nbytes, pinned = 0, None
                 if copier is not None:
                     batch, nbytes, pinned = pin_leaves(batch, copier.device, copier.pin)
                 if not self._put((batch, None, nbytes, pinned)):
-                    return
-            self._put((_END, None, 0, None))
+                    last = None
+                    break
         except BaseException as e:  # handed to the consumer, which raises it there
-            self._put((_ERROR, e, 0, None))
-        finally:
-            self.source = iter(())  # drop the source iterator (DataLoader shuts its workers)
+            last = (_ERROR, e, 0, None)
+        # The workers end here, in the thread that iterated their DataLoader, before the
+        # consumer hears of the end: a later pass then forks its workers from a process
+        # whose earlier iterators are all shut down (a worker that inherits a live one
+        # prints "can only test a child process" when it collects it).
+        shut_down(self.source)
+        self.source = iter(())
+        if last is not None:
+            self._put(last)
 
     def get(self) -> tuple[object, Any, int, bool | None]:
         return self.queue.get()
@@ -438,21 +446,61 @@ class _Producer:
         return self.queue.get_nowait()
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and wait until it has ended and released the source.
+
+        A DataLoader with worker processes always answers (a batch, or an error within
+        seconds of a worker's death), so its producer is waited for however long the
+        machine's load makes that: it must not outlive the pass holding the workers.
+        Another source's ``next()`` may wait for the consumer itself (a feedback loop):
+        that wait is bounded by ``timeout``, after which the daemon thread ends once the
+        source answers. A DataLoader whose worker died (the consumer heard of it at once,
+        from torch's SIGCHLD handler) is not waited for: its producer learns of it at
+        torch's next status check (5 s) and then ends the other workers itself.
+        """
         self.stop.set()
+        bounded = not _has_workers(self.source)
+        if not bounded and _a_worker_died(self.source):
+            return
         deadline = time.monotonic() + timeout
-        while self.thread.is_alive() and time.monotonic() < deadline:
+        while self.thread.is_alive():
             while True:  # unblock a producer waiting to put
                 try:
                     self.queue.get_nowait()
                 except queue.Empty:
                     break
             self.thread.join(_POLL)
+            if bounded and time.monotonic() >= deadline:
+                break
         if self.thread.is_alive():
             logger.warning(
                 "the prefetch thread is still inside the source's next() after %.0f s; it "
                 "stops when that batch is produced (it is a daemon thread)",
                 timeout,
             )
+
+
+def _has_workers(source: Iterator[Any]) -> bool:
+    """Whether ``source`` is a DataLoader iterator with worker processes."""
+    return callable(getattr(source, "_shutdown_workers", None))
+
+
+def _a_worker_died(source: Iterator[Any]) -> bool:
+    workers = getattr(source, "_workers", None) or []
+    try:
+        return any(not w.is_alive() for w in workers)
+    except (AssertionError, ValueError):  # not this process's children
+        return False
+
+
+def shut_down(source: Iterator[Any]) -> None:
+    """End the worker processes of a DataLoader iterator now, unless they are persistent
+    (kept for the next epoch by design); no-op for other sources. Only from the thread
+    that iterates ``source``, never while another thread is inside its ``next()``."""
+    if _has_workers(source) and not getattr(source, "_persistent_workers", False):
+        try:
+            source._shutdown_workers()  # type: ignore[attr-defined]
+        except Exception as e:  # a worker already gone: nothing more to end
+            logger.debug("shutting down DataLoader workers: %s", e)
 
 
 class _Pass:
@@ -599,7 +647,11 @@ class _Pass:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+            if not self.producer.thread.is_alive():
+                shut_down(self.source)  # done by the producer; again costs nothing
             self.producer = None
+        else:
+            shut_down(self.source)  # this thread iterated it
         self.source = iter(())  # release the source iterator (a DataLoader's stops its workers)
         self.ready = None
         self.done = True
