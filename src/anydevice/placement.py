@@ -277,7 +277,7 @@ def _move_error(e: _Failure, dev: torch.device) -> MoveError:
 class _Mover:
     """One :func:`to` call: the resolved device, options, and the state of the walk."""
 
-    __slots__ = ("active", "dev", "memo", "nb", "skip", "target_type")
+    __slots__ = ("active", "dev", "memo", "nb", "nb_from", "skip", "target_type")
 
     def __init__(self, dev: torch.device, nb: NonBlocking, skip: frozenset[Any]) -> None:
         self.dev = dev
@@ -286,6 +286,7 @@ class _Mover:
         self.skip = skip
         self.active: set[int] = set()  # ids of the containers on the current path
         self.memo: dict[int, tuple[Tensor, Tensor]] = {}  # moved tensors, by id
+        self.nb_from: dict[str, bool] = {}  # "auto"'s answer per source device type
 
     # The walk: exact types first, since they are almost all a batch is made of.
     def move(self, obj: Any) -> Any:
@@ -302,18 +303,25 @@ class _Mover:
             return obj
         return self.other(obj, t)
 
-    def tensor(self, x: Tensor) -> Tensor:
-        src = x.device
-        if src == self.dev:
-            return x
-        hit = self.memo.get(id(x))
+    def tensor(self, x: Tensor, src: torch.device | None = None) -> Tensor:
+        """``x`` on the target; ``src``: its device, where the caller has read it already
+        (and found it is not the target). Per leaf of a million-tensor batch, so lean."""
+        if src is None:
+            src = x.device
+            if src == self.dev:
+                return x
+        key = id(x)
+        hit = self.memo.get(key)
         if hit is not None:
             return hit[1]
         nb = self.nb
         if nb == "auto":
-            nb = _auto_non_blocking(src, x, self.target_type)
+            found = self.nb_from.get(src.type)
+            if found is None:
+                found = self.nb_from[src.type] = _auto_non_blocking(src, x, self.target_type)
+            nb = found
         moved = x.to(self.dev, non_blocking=nb)
-        self.memo[id(x)] = (x, moved)
+        self.memo[key] = (x, moved)
         return moved
 
     def enter(self, obj: object) -> None:
@@ -328,14 +336,17 @@ class _Mover:
     def dict(self, obj: dict[Any, Any]) -> dict[Any, Any]:
         self.enter(obj)
         out = {}
-        dev, skip = self.dev, self.skip
+        dev, skip, tensor, move = self.dev, self.skip, self.tensor, self.move
         k: Any = None
         try:
             for k, v in obj.items():
-                if (type(v) is Tensor and v.device == dev) or (skip and k in skip):
+                if skip and k in skip:
                     out[k] = v
+                elif type(v) is Tensor:
+                    src = v.device
+                    out[k] = v if src == dev else tensor(v, src)
                 else:
-                    out[k] = self.move(v)
+                    out[k] = move(v)
         except Exception as e:
             _add_path(e, f"[{k!r}]", obj)
             raise
@@ -344,17 +355,18 @@ class _Mover:
 
     def list(self, obj: Iterable[Any]) -> list[Any]:
         self.enter(obj)
-        dev = self.dev
-        out = []
-        i = -1
+        dev, tensor, move = self.dev, self.tensor, self.move
+        out: list[Any] = []
+        append = out.append
         try:
-            for i, v in enumerate(obj):  # noqa: B007 (i names the failing item)
-                if type(v) is Tensor and v.device == dev:
-                    out.append(v)
+            for v in obj:
+                if type(v) is Tensor:
+                    src = v.device
+                    append(v if src == dev else tensor(v, src))
                 else:
-                    out.append(self.move(v))
+                    append(move(v))
         except Exception as e:
-            _add_path(e, f"[{i}]", obj)
+            _add_path(e, f"[{len(out)}]", obj)  # the item that failed
             raise
         self.active.discard(id(obj))
         return out

@@ -120,8 +120,8 @@ class _Pinner(_Mover):
         self.nbytes = 0  #: bytes of the CPU tensors seen (what the copy will move)
         self.already = True  #: every dense CPU tensor came pinned
 
-    def tensor(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+    def tensor(self, x: torch.Tensor, src: torch.device | None = None) -> torch.Tensor:
+        if (x.device if src is None else src).type != "cpu":
             return x  # on a device already (this one or another): ad.to handles it
         hit = self.memo.get(id(x))
         if hit is not None:
