@@ -277,7 +277,7 @@ def _move_error(e: _Failure, dev: torch.device) -> MoveError:
 class _Mover:
     """One :func:`to` call: the resolved device, options, and the state of the walk."""
 
-    __slots__ = ("active", "dev", "memo", "nb", "nb_from", "skip", "target_type")
+    __slots__ = ("active", "dev", "keep", "memo", "nb", "nb_from", "skip", "target_type")
 
     def __init__(self, dev: torch.device, nb: NonBlocking, skip: frozenset[Any]) -> None:
         self.dev = dev
@@ -285,7 +285,10 @@ class _Mover:
         self.nb = nb
         self.skip = skip
         self.active: set[int] = set()  # ids of the containers on the current path
-        self.memo: dict[int, tuple[Tensor, Tensor]] = {}  # moved tensors, by id
+        self.memo: dict[int, Tensor] = {}  # moved tensors, by the id of their source
+        # The sources in memo, alive until the walk ends so that no id is reused; a list,
+        # not (source, moved) tuples: a million tuples make the cyclic GC run again and again.
+        self.keep: list[Tensor] = []
         self.nb_from: dict[str, bool] = {}  # "auto"'s answer per source device type
 
     # The walk: exact types first, since they are almost all a batch is made of.
@@ -313,15 +316,17 @@ class _Mover:
         key = id(x)
         hit = self.memo.get(key)
         if hit is not None:
-            return hit[1]
+            return hit
         nb = self.nb
         if nb == "auto":
             found = self.nb_from.get(src.type)
             if found is None:
                 found = self.nb_from[src.type] = _auto_non_blocking(src, x, self.target_type)
             nb = found
-        moved = x.to(self.dev, non_blocking=nb)
-        self.memo[key] = (x, moved)
+        # non_blocking=False is Tensor.to's default; passing it costs a keyword parse per leaf
+        moved = x.to(self.dev, non_blocking=True) if nb else x.to(self.dev)
+        self.memo[key] = moved
+        self.keep.append(x)
         return moved
 
     def enter(self, obj: object) -> None:

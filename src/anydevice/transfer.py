@@ -125,13 +125,14 @@ class _Pinner(_Mover):
             return x  # on a device already (this one or another): ad.to handles it
         hit = self.memo.get(id(x))
         if hit is not None:
-            return hit[1]
+            return hit
         self.nbytes += _nbytes(x)
         out = x
         if x.layout is torch.strided and not x.is_pinned():
             self.already = False
             out = self.pin(x)
-        self.memo[id(x)] = (x, out)
+        self.memo[id(x)] = out
+        self.keep.append(x)
         return out
 
     def other(self, obj: Any, t: type) -> Any:
