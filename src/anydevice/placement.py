@@ -288,8 +288,8 @@ class _Mover:
         self.memo: dict[int, Tensor] = {}  # moved tensors, by the id of their source
         # The sources in memo, alive until the walk ends so that no id is reused; a list,
         # not (source, moved) tuples: a million tuples make the cyclic GC run again and again.
-        self.keep: list[Tensor] = []
-        self.nb_from: dict[str, bool] = {}  # "auto"'s answer per source device type
+        self.keep: list[Tensor] | None = None  # made at the first move: most calls move nothing
+        self.nb_from: dict[str, bool] | None = None  # "auto"'s answer per source device type
 
     # The walk: exact types first, since they are almost all a batch is made of.
     def move(self, obj: Any) -> Any:
@@ -319,13 +319,18 @@ class _Mover:
             return hit
         nb = self.nb
         if nb == "auto":
-            found = self.nb_from.get(src.type)
+            known = self.nb_from
+            if known is None:
+                known = self.nb_from = {}
+            found = known.get(src.type)
             if found is None:
-                found = self.nb_from[src.type] = _auto_non_blocking(src, x, self.target_type)
+                found = known[src.type] = _auto_non_blocking(src, x, self.target_type)
             nb = found
         # non_blocking=False is Tensor.to's default; passing it costs a keyword parse per leaf
         moved = x.to(self.dev, non_blocking=True) if nb else x.to(self.dev)
         self.memo[key] = moved
+        if self.keep is None:
+            self.keep = []
         self.keep.append(x)
         return moved
 

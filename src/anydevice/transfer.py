@@ -132,6 +132,8 @@ class _Pinner(_Mover):
             self.already = False
             out = self.pin(x)
         self.memo[id(x)] = out
+        if self.keep is None:
+            self.keep = []
         self.keep.append(x)
         return out
 
