@@ -13,7 +13,8 @@ Before (the recipe, CUDA only)::
 
 with fp16 hard-coded (wrong on an H100, which wants bf16 and no scaler) and a CPU branch to
 write by hand. After: the same loop on any device, with the mode chosen by the hardware and
-the reason printed; resuming from the checkpoint works on other hardware too.
+the reason printed; ``ad.save_state`` checkpoints the precision policy with the model and
+optimizer, and resuming works on other hardware too.
 """
 
 from __future__ import annotations
@@ -56,17 +57,19 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
         print(f"epoch {epoch}: loss {loss.item():.4f}, skipped steps {skipped}")
 
+    # One call saves the model, the optimizer and the precision policy's state (in fp16 the
+    # loss scaler's scale: a resumed run does not start again at 65536 and skip steps).
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "checkpoint.pt"
-        torch.save(
-            {"model": net.state_dict(), "optimizer": opt.state_dict(), "precision": p.state_dict()},
-            path,
+        path = ad.save_state(
+            Path(tmp) / "checkpoint", model=net, optimizer=opt, precision=p, epoch=5
         )
-        checkpoint = torch.load(path, map_location=dev)
-        net.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        p.load_state_dict(checkpoint["precision"])
-        print(f"resumed; the checkpoint was trained in {checkpoint['precision']['mode']}")
+        net2 = make_model(width=256, layers=3).to(dev)
+        opt2 = torch.optim.AdamW(net2.parameters(), lr=1e-3)
+        p2 = ad.precision(dev)
+        extra = ad.load_state(path, model=net2, optimizer=opt2, precision=p2)
+        same = p2.state_dict() == p.state_dict()
+        print(f"resumed at epoch {extra['epoch']}; the checkpoint was trained in "
+              f"{p.state_dict()['mode']}; precision state restored: {same}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -354,6 +354,35 @@ def test_temp_files_of_other_paths_and_other_hosts_are_left_alone(tmp_path):
     assert other_host.exists() and other_path.exists() and legacy.exists()
 
 
+@pytest.mark.parametrize("name", ["c" * 252 + ".pt", "é" * 126 + ".pt"])  # 255 bytes
+def test_a_name_as_long_as_the_file_system_allows_saves_as_torch_save_does(tmp_path, name):
+    path = tmp_path / name
+    assert len(name.encode()) == 255
+    torch.save({"step": 0}, path)  # legal for torch
+    path.unlink()
+    ad.save({"step": 1}, path)
+    ad.save({"step": 2}, path)  # and replaced
+    assert ad.load(path, "cpu") == {"step": 2}
+    assert leftovers(tmp_path) == []
+    state = ad.save_state(tmp_path / name[:-3], model=torch.nn.Linear(2, 1), step=4)
+    assert ad.load_state(state, model=torch.nn.Linear(2, 1)) == {"step": 4}
+
+
+def test_temp_file_of_a_killed_writer_of_a_long_name_is_removed_by_the_next_save(tmp_path, writers):
+    path = tmp_path / ("k" * 250 + ".pt")
+    writer = writers(path)
+    [stale] = leftovers(tmp_path)
+    assert len(stale.encode()) <= 255 and f".{writer.pid}@" in stale
+    writer.kill()
+    writer.wait(timeout=30)
+    other = tmp_path / ("k" * 249 + "j.pt")  # shares the start: its save leaves it alone
+    ad.save({"step": 0}, other)
+    assert leftovers(tmp_path) == [stale]
+    ad.save({"step": 1}, path)
+    assert leftovers(tmp_path) == []
+    assert ad.load(path, "cpu") == {"step": 1}
+
+
 def test_a_pid_reused_after_the_writer_died_is_told_apart_by_its_start_time(tmp_path):
     from anydevice.checkpoint import _host
 

@@ -113,6 +113,79 @@ def test_missing_or_mismatched_checkpoints_name_what_is_missing(tmp_path):
         ad.load_state(tmp_path / "plain.pt", model=net)
 
 
+def _backed_off(p: ad.Precision) -> float:
+    """Drive the fp16 scaler through two overflowing steps (a real inf gradient): its scale
+    backs off from 65536 to 16384, a state a fresh scaler does not have."""
+    net = nn.Linear(3, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):
+        with p.autocast():
+            loss = net(torch.full((2, 3), float("inf"))).float().sum()
+        p.backward(loss)
+        assert not p.step(opt)  # skipped: the gradient is not finite
+        opt.zero_grad()
+    scale = p.state_dict()["scaler"]["scale"]
+    assert scale == 16384.0
+    return scale
+
+
+def test_save_state_carries_the_precision_policys_scaler(tmp_path, caplog):
+    p = ad.precision("cpu", "fp16")
+    scale = _backed_off(p)
+    net = model(seed=0)
+    path = ad.save_state(tmp_path / "amp.pt", model=net, precision=p, step=3)
+    fresh = ad.precision("cpu", "fp16")
+    assert fresh.state_dict()["scaler"]["scale"] == 65536.0
+    assert ad.load_state(path, model=model(seed=1), precision=fresh) == {"step": 3}
+    assert fresh.state_dict() == p.state_dict() and fresh.state_dict()["scaler"]["scale"] == scale
+    # resumed in another mode: the scaler state is dropped, as Precision.load_state_dict does
+    assert ad.load_state(path, model=net, precision=ad.precision("cpu", "fp32")) == {"step": 3}
+    # saved without one: the policy keeps its state, and the log says so
+    bare = ad.save_state(tmp_path / "bare.pt", model=net)
+    with caplog.at_level("WARNING", logger="anydevice"):
+        ad.load_state(bare, model=net, precision=fresh)
+    assert "holds no precision state" in caplog.text
+    assert fresh.state_dict()["scaler"]["scale"] == scale
+    with pytest.raises(TypeError, match=r"precision=p"):
+        ad.load_state(path, model=net, precision=p.state_dict())  # type: ignore[arg-type]
+    # the old way, a state dict passed by hand, is still an extra
+    old = ad.save_state(tmp_path / "old.pt", model=net, precision=p.state_dict())
+    assert ad.load_state(old, model=net)["precision"] == p.state_dict()
+
+
+def _save_precision_on_two(folder):
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            p = ad.precision("cpu", "fp16")
+            # a rank forked from pytest avoids fp16 autocast (its oneDNN state is the
+            # parent's): the scaler is set where an overflow would have left it
+            assert p.scaler is not None
+            p.scaler.scale(torch.ones(()))  # creates the scale tensor
+            p.scaler.update(16384.0)
+            scale = p.state_dict()["scaler"]["scale"]
+            net, opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="ddp")
+            ad.save_state(folder / "amp", model=net, optimizer=opt, precision=p, rank=d.rank)
+            fresh = ad.precision("cpu", "fp16")
+            ad.load_state(folder / "amp", model=net, optimizer=opt, precision=fresh)
+            return {"scale": scale, "resumed": fresh.state_dict()["scaler"]["scale"]}
+
+    return rank
+
+
+def test_sharded_save_state_carries_the_precision_policys_scaler(tmp_path):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    (tmp_path / "two").mkdir()
+    two = run_ranks(_save_precision_on_two(folder), 2, tmp_path / "two", timeout=90)
+    assert [out["resumed"] for out in two] == [out["scale"] for out in two] == [16384.0] * 2
+    assert {"precision.rank0.pt", "precision.rank1.pt"} <= {
+        p.name for p in (folder / "amp").iterdir()
+    }
+    fresh = ad.precision("cpu", "fp16")
+    assert ad.load_state(folder / "amp", model=model(seed=2), precision=fresh) == {"rank": 0}
+    assert fresh.state_dict()["scaler"]["scale"] == 16384.0
+
+
 # ----------------------------------------------------------------------------- several ranks
 
 
@@ -219,3 +292,86 @@ def test_sharded_checkpoints_resume_on_one_and_three_ranks_and_across_ddp_and_fs
     net = model(seed=3)
     assert ad.load_state(folder / "fsdp", model=net)["step"] == 2
     assert_params(full(net), reference["at_two"])
+
+
+# ----------------------------------------------------------------------------- killed savers
+
+BLOCKED_SAVE = """
+import os, sys, time
+import torch, torch.distributed as dist
+import anydevice as ad
+
+class Slow:
+    def __reduce__(self):  # runs while the rank writes its extra into the temporary folder
+        print("writing", flush=True)
+        time.sleep(120)
+        return (int, (0,))
+
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=int(sys.argv[3]), world_size=2)
+net = torch.nn.Linear(2, 1)
+ad.save_state(sys.argv[1], model=net, step=1)
+ad.save_state(sys.argv[1], model=net, step=2, blocker=Slow())
+"""
+
+
+@pytest.fixture
+def savers(tmp_path):
+    """Start 2-rank save_states (real gloo) that block mid-write; kill all at the end."""
+    import subprocess
+    import sys
+
+    from ranks import free_port
+
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(path) -> list[subprocess.Popen[str]]:
+        rdzv = f"tcp://127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-c", BLOCKED_SAVE, str(path), rdzv]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        pair = [subprocess.Popen([*argv, str(r)], **pipes) for r in range(2)]
+        procs.extend(pair)
+        for p in pair:
+            assert p.stdout is not None
+            line = p.stdout.readline().strip()
+            assert line == "writing", p.stderr.read() if p.stderr else ""
+        return pair
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+def hidden(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.timeout(180)
+def test_load_and_save_state_sweep_the_folders_of_a_killed_save(tmp_path, savers):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    pair = savers(folder / "ckpt")
+    [left] = hidden(folder)
+    assert left.startswith(".ckpt.") and left.endswith(".tmp") and f".{pair[0].pid}@" in left
+    ad.load_state(folder / "ckpt", model=nn.Linear(2, 1))  # a live writer's: left alone
+    assert hidden(folder) == [left]
+    for p in pair:
+        p.kill()  # SIGKILL mid-save: no handler, no cleanup
+        p.wait(timeout=30)
+    assert hidden(folder) == [left]  # what a killed save leaves
+    assert ad.load_state(folder / "ckpt", model=nn.Linear(2, 1)) == {"step": 1}
+    assert hidden(folder) == []  # swept by the load
+    # a set-aside previous checkpoint of a dead writer is swept by the next save
+    import subprocess
+    import sys
+
+    from anydevice.checkpoint import _host
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    aside = folder / f".ckpt.{int(dead.stdout)}@{_host()}.0123abcd.old"
+    shutil.copytree(folder / "ckpt", aside)
+    ad.save_state(folder / "ckpt", model=nn.Linear(2, 1), step=3)
+    assert hidden(folder) == []
+    assert ad.load_state(folder / "ckpt", model=nn.Linear(2, 1)) == {"step": 3}

@@ -156,7 +156,8 @@ def test_inference_in_eval_mode_is_deterministic_and_on_the_host(runs: dict[str,
 def test_amp_recipe_picks_a_mode_and_resumes(runs: dict[str, Run]):
     out = runs["amp"].check()
     assert "Precision(" in out
-    assert "resumed; the checkpoint was trained in" in out
+    assert "resumed at epoch 5; the checkpoint was trained in" in out
+    assert "precision state restored: True" in out  # ad.save_state carried it
     losses = [float(v) for v in re.findall(r"loss ([0-9.]+)", out)]
     assert losses[-1] < losses[0]
 

@@ -150,6 +150,59 @@ def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
     assert values(loader) == [float(i) for i in range(16)]
 
 
+ABORTED_PASSES = """
+import sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import psutil
+from torch.utils.data import DataLoader
+from test_loader import Squares, wait_until
+from anydevice.loader import DeviceLoader
+
+switch = Path(sys.argv[1])
+switch.touch()
+me = psutil.Process()
+threads_before = set(threading.enumerate())
+busy = set(me.children())  # the contention the test started
+for _ in range(20):
+    dl = DataLoader(Squares(64, fail_at=9, switch=switch, delay=0.002), batch_size=2,
+                    num_workers=2)
+    try:
+        for _ in DeviceLoader(dl, "cpu", prefetch=True):
+            pass
+    except ValueError:
+        pass
+    else:
+        raise SystemExit("the pass did not fail")
+workers = lambda: [p for p in me.children(recursive=True) if p not in busy and p.is_running()
+                   and p.status() != psutil.STATUS_ZOMBIE]
+extra = lambda: [t.name for t in threading.enumerate() if t not in threads_before]
+wait_until(lambda: not workers() and not extra(), timeout=30)
+print(f"threads left: {extra()}; workers left: {len(workers())}", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_passes_ended_by_a_dataset_error_under_load_release_everything(tmp_path):
+    import subprocess
+    import sys
+
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\n"
+                              "while time.time() < end: pass"]) for _ in range(3)]  # fmt: skip
+    try:
+        argv = [sys.executable, "-c", ABORTED_PASSES, str(tmp_path / "fail")]
+        here = str(Path(__file__).parent)
+        run = subprocess.run([*argv, here], capture_output=True, text=True, timeout=200)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait(timeout=30)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "threads left: []; workers left: 0" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_early_break_leaves_no_thread_and_no_worker(workers):
     me = psutil.Process()
@@ -222,7 +275,37 @@ def test_set_epoch_reaches_the_distributed_sampler():
 def test_each_complete_pass_advances_the_epoch_when_the_user_never_sets_it():
     loader = sharded()
     assert [values(loader) for _ in range(3)] == [torch_order(40, e) for e in range(3)]
-    assert loader.sampler.epoch == 3  # the next pass's
+    assert loader.sampler.epoch == 2  # the epoch just run, as torch's sampler reads
+
+
+class IntEpochSampler(DistributedSampler):
+    """A sampler that stores ``int(epoch)``: the loader cannot mark the epoch it set."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
+def test_a_sampler_that_stores_a_plain_int_still_advances_and_keeps_the_users_epoch():
+    ds = Squares(40)
+    sampler = IntEpochSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    assert [values(loader) for _ in range(2)] == [torch_order(40, e) for e in range(2)]
+    sampler.set_epoch(5)
+    assert [values(loader) for _ in range(2)] == [torch_order(40, 5)] * 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_sampler_reads_the_epoch_just_run_as_torchs_does(prefetch):
+    loader = sharded(prefetch=prefetch)
+    for epoch in range(3):  # the DDP tutorial's loop: set, run a full pass, read
+        loader.sampler.set_epoch(epoch)
+        assert values(loader) == torch_order(40, epoch)
+        assert loader.sampler.epoch == epoch
+    auto = sharded(prefetch=prefetch)
+    for epoch in range(2):
+        assert values(auto) == torch_order(40, epoch)
+        assert auto.sampler.epoch == epoch
+        assert str(auto.sampler.epoch) == str(epoch)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -286,6 +369,75 @@ def test_stats_call_a_slow_consumer_compute_bound():
     assert s.verdict.startswith("compute-bound")
     assert s.num_workers is None
     assert s.total_seconds >= 0.15
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stats_of_a_pass_a_dataset_error_ended_give_no_advice(tmp_path, prefetch):
+    switch = tmp_path / "fail"
+    switch.touch()
+    dl = DataLoader(Squares(8, fail_at=3, switch=switch, delay=0.02), batch_size=1)
+    loader = DeviceLoader(dl, "cpu", prefetch=prefetch)
+    seen = 0
+    with pytest.raises(ValueError, match="bad sample 3"):
+        for _ in loader:
+            seen += 1
+    s = loader.stats
+    assert s.aborted is not None and "ValueError: bad sample 3" in s.aborted
+    assert s.verdict.startswith(f"aborted after {seen} batches by ValueError: bad sample 3")
+    assert "input-bound" not in repr(s) and "num_workers" not in s.verdict
+    switch.unlink()
+    for _ in loader:  # a later complete pass gets its verdict again
+        pass
+    assert loader.stats.aborted is None
+    assert loader.stats.verdict.startswith("input-bound")
+
+
+class Feedback:
+    """A source that makes batch k+1 only once the consumer has used batch k (an RL
+    rollout, a queue fed by the step): it waits, bounded, for the value the consumer sets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.used = threading.Event()
+        self.gave_up = False
+
+    def __iter__(self):
+        for k in range(self.n):
+            if k and not self.used.wait(timeout=10):
+                self.gave_up = True
+                return
+            self.used.clear()
+            yield torch.tensor([float(k)])
+
+
+class FeedbackDataset(torch.utils.data.IterableDataset):
+    def __init__(self, source: Feedback) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("wrap", ["iterable", "dataloader"])
+def test_a_batch_is_delivered_before_the_source_made_the_next(prefetch, wrap):
+    source = Feedback(3)
+    wrapped = source if wrap == "iterable" else DataLoader(FeedbackDataset(source), batch_size=None)
+    loader = DeviceLoader(wrapped, "cpu", prefetch=prefetch)
+    got: list[float] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        for batch in loader:
+            got.append(batch.item())
+            source.used.set()  # the step that lets the source make the next batch
+        done.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert done.wait(timeout=30), f"the loader held a batch back: got {got}"
+    consumer.join(timeout=10)
+    assert got == [0.0, 1.0, 2.0] and not source.gave_up
 
 
 def test_device_is_resolved_once_from_any_spec(monkeypatch):

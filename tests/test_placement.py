@@ -91,6 +91,18 @@ def test_device_spec_strings_go_through_ad_device():
         ad.to(torch.ones(1), 1.5)  # type: ignore[arg-type]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("spec", ["cuda:0", "cuda"])
+def test_a_missing_torch_device_is_refused_like_its_spec_string(spec: str) -> None:
+    batch = {"x": torch.ones(2)}
+    with pytest.raises(ad.DeviceNotFoundError) as by_string:
+        ad.to(batch, spec)
+    for obj in (torch.ones(2), batch, [torch.ones(2)]):
+        with pytest.raises(ad.DeviceNotFoundError) as by_device:
+            ad.to(obj, torch.device(spec))
+        assert str(by_device.value) == str(by_string.value)
+
+
 def test_non_blocking_must_be_auto_true_or_false():
     with pytest.raises(ValueError, match="non_blocking must be"):
         ad.to(torch.ones(1), CPU, non_blocking="yes")  # type: ignore[arg-type]
@@ -117,7 +129,8 @@ def test_explicit_non_blocking_reaches_tensor_to():
     ad.to({"t": t}, META, non_blocking=True)
     ad.to({"t": t}, META, non_blocking=False)
     ad.to({"t": t}, META)  # auto: to meta is blocking
-    assert [s["non_blocking"] for s in RecordingTensor.seen] == [True, False, False]
+    # False is Tensor.to's default: passed or left out, the copy is blocking
+    assert [s.get("non_blocking", False) for s in RecordingTensor.seen] == [True, False, False]
 
 
 class ReportsPinned(torch.Tensor):

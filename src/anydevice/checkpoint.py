@@ -21,6 +21,7 @@ looks wrong: empty, truncated, a record that fails its CRC, not a checkpoint at 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import pickle
@@ -85,7 +86,7 @@ def save(obj: object, path: PathLike) -> Path:
         )
     folder = target.parent
     _remove_stale_temps(target)
-    tmp = folder / f".{target.name}.{os.getpid()}@{_host()}.{os.urandom(4).hex()}.tmp"
+    tmp = folder / temp_name(target, "tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
@@ -132,23 +133,85 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:63] or "host"
 
 
-def _remove_stale_temps(target: Path) -> None:
-    """Remove the temporary files of earlier saves to ``target`` whose writer has died."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)@([A-Za-z0-9-]+)\.[0-9a-f]{{8}}\.tmp")
-    host = _host()
-    removed: list[str] = []
+def _stem(name: str, room: int) -> str:
+    """``name``, or where it does not fit in ``room`` bytes, its start and a hash of it."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= room:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    head = raw[: max(room - len(digest) - 1, 0)].decode("utf-8", "ignore")
+    return f"{head}~{digest}"
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):
+        return 255  # Windows and most file systems
+
+
+def temp_name(target: Path, kind: str) -> str:
+    """A hidden name beside ``target`` for a save in progress (``kind`` ``"tmp"``) or a
+    replaced checkpoint (``"old"``): ``.NAME.PID@HOST.HEX.KIND``, naming its writer so that
+    a later call can tell whether the writer is gone. ``NAME`` is shortened (its start and
+    a hash) where the whole would not fit the file system's name limit, so any name legal
+    for ``target`` works."""
+    suffix = f".{os.getpid()}@{_host()}.{os.urandom(4).hex()}.{kind}"
+    room = _name_max(target.parent) - 1 - len(suffix)
+    return f".{_stem(target.name, room)}{suffix}"
+
+
+def temps(target: Path, kind: str) -> list[tuple[os.DirEntry[str], re.Match[str]]]:
+    """Every :func:`temp_name` entry of ``kind`` beside ``target``, with its name parsed."""
     try:
         entries = list(os.scandir(target.parent))
     except OSError:
-        return  # the save itself will say what is wrong with the folder
+        return []  # the caller will say what is wrong with the folder
+    name_max = _name_max(target.parent)
+    stems = {target.name}
+    found = []
     for entry in entries:
-        m = pattern.fullmatch(entry.name)
-        if m is None or m.group(2) != host:
-            continue  # not ours, or written from another machine: its writer cannot be seen
+        m = _TEMP.fullmatch(entry.name)
+        if m is None or m.group("kind") != kind:
+            continue
+        if m.group("stem") not in stems:
+            suffix_len = len(entry.name) - 1 - len(m.group("stem"))
+            stems.add(_stem(target.name, name_max - 1 - suffix_len))
+            if m.group("stem") not in stems:
+                continue  # another target's
+        found.append((entry, m))
+    return found
+
+
+def stale_temps(target: Path, kind: str) -> list[os.DirEntry[str]]:
+    """The :func:`temp_name` entries of ``kind`` beside ``target`` whose writer has died
+    (this host's only: another machine's processes cannot be seen)."""
+    host = _host()
+    stale = []
+    for entry, m in temps(target, kind):
+        if m.group("host") != host:
+            continue  # written from another machine: its writer cannot be seen
         try:
             modified = entry.stat(follow_symlinks=False).st_mtime
-            if _writer_alive(int(m.group(1)), modified):
-                continue
+        except OSError:
+            continue  # gone already
+        if not _writer_alive(int(m.group("pid")), modified):
+            stale.append(entry)
+    return stale
+
+
+_TEMP = re.compile(
+    r"\.(?P<stem>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]+)\.[0-9a-f]{8}\.(?P<kind>tmp|old)"
+)
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Remove the temporary files of earlier saves to ``target`` whose writer has died."""
+    removed: list[str] = []
+    for entry in stale_temps(target, "tmp"):
+        if entry.is_dir(follow_symlinks=False):
+            continue  # a save_state folder: save_state sweeps those
+        try:
             os.unlink(entry.path)
         except OSError:
             continue  # gone already, or not ours to remove

@@ -8,7 +8,10 @@ How the CUDA path keeps copies and compute overlapped *and* ordered:
    copy, pinning off it is what makes the copy asynchronous.
 2. Handing out batch k: the *consumer's stream* — the stream current when ``next()`` is
    called — waits on the event recorded after batch k's copy, so no kernel reads it early.
-3. Then batch k+1 is issued on the copy stream (one per device for the whole process,
+3. Then batch k+1 is issued on the copy stream — if the background thread already holds
+   it: the consumer never waits for the lookahead (a source may make batch k+1 only after
+   the step used batch k, an RL rollout say), and a batch not ready yet is issued when the
+   loop asks for it (one per device for the whole process,
    :func:`anydevice.streams.copy_stream`): it waits for the work queued so far on the
    device's default stream, copies (``non_blocking``, from pinned memory), runs
    ``transform`` and records an event. The copy engine runs it while the GPU computes
@@ -39,6 +42,9 @@ each batch after the first also ends the step before it (``torch_xla.sync()``), 
 torch_xla's ``MpDeviceLoader`` does, so the lazy graph is cut and run once per step
 instead of growing over the epoch. On the CPU there is nothing to copy, so by default no
 thread either: a batch costs a few microseconds more than iterating the source itself.
+Without the thread (``prefetch=False``) the source is read only when the loop asks for a
+batch, never ahead: reading ahead on the consumer's thread would block it on a source that
+waits for the consumer.
 """
 
 from __future__ import annotations
@@ -85,6 +91,9 @@ class LoaderStats:
     device: str
     num_workers: int | None  #: the source DataLoader's, None for other sources
     pinned: bool | None  #: whether the source delivered pinned batches (copy streams only)
+    #: what ended the pass early (``"ValueError: bad sample"``), None for a pass that ran
+    #: or still runs normally; the times of an aborted pass say nothing about the loop
+    aborted: str | None = None
 
     @property
     def wait_fraction(self) -> float:
@@ -101,6 +110,11 @@ class LoaderStats:
     @property
     def verdict(self) -> str:
         """One line: input-bound, copy-bound, or compute-bound — and what to do."""
+        if self.aborted is not None:
+            return (
+                f"aborted after {self.batches} batches by {self.aborted}: no advice from a "
+                "pass that did not finish"
+            )
         if self.batches == 0:
             return "no batch delivered yet"
         share = self.wait_fraction
@@ -137,6 +151,18 @@ class LoaderStats:
         return f"LoaderStats({', '.join(parts)}: {self.verdict})"
 
 
+class _LoaderEpoch(int):
+    """An epoch this loader gave the sampler: an ``int`` in every way, but a call of the
+    sampler's ``set_epoch`` by anyone else replaces it with a plain one, even with the same
+    value. That is how a user's ``loader.sampler.set_epoch(e)`` is recognised while the
+    sampler reads exactly what torch's would (``e`` during and after the pass)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        return int, (int(self),)  # pickled (to a worker, a checkpoint) as a plain int
+
+
 class _Counters:
     """Mutable tallies of one pass; ``LoaderStats`` is their snapshot."""
 
@@ -147,6 +173,7 @@ class _Counters:
         self.start: float | None = None
         self.last = 0.0
         self.pinned: bool | None = None
+        self.aborted: str | None = None
         self.times = times  #: copy timings, None where copies are not timed
 
 
@@ -210,6 +237,7 @@ class DeviceLoader(Generic[T]):
         self._epoch = 0  #: the epoch the next pass uses while the epoch is automatic
         self._epoch_is_users = False  #: set by the user (here or on the sampler): never advanced
         self._epoch_left: int | None = None  #: the sampler's epoch as this loader left it
+        self._marks = False  #: the sampler keeps the _LoaderEpoch it is given
         self._active: _Pass | None = None
 
     # ------------------------------------------------------------------ source-like API
@@ -265,21 +293,34 @@ class DeviceLoader(Generic[T]):
         if self._epoch_is_users:
             return
         now = self._sampler_epoch()
-        left = self._epoch if self._epoch_left is None else self._epoch_left
-        if now is not None and now != left:
-            self._epoch_is_users = True  # loader.sampler.set_epoch(e) was called: theirs
-            return
-        self._set_sampler_epoch(self._epoch)
+        if now is not None:
+            if self._marks:
+                # The sampler holds the _LoaderEpoch this loader set, unless someone
+                # called its set_epoch since (with any value, the same one included).
+                if self._epoch_left is not None and type(now) is not _LoaderEpoch:
+                    self._epoch_is_users = True
+                    return
+            else:
+                left = self._epoch if self._epoch_left is None else self._epoch_left
+                if now != left:
+                    self._epoch_is_users = True  # loader.sampler.set_epoch(e): theirs
+                    return
+        self._set_sampler_epoch(_LoaderEpoch(self._epoch))
         self._epoch_left = self._epoch
+        self._marks = type(self._sampler_epoch()) is _LoaderEpoch
 
     def _end_epoch(self) -> None:
-        """After a complete pass: advance the automatic epoch, on the sampler at once (so
-        that a later ``sampler.set_epoch`` to any other epoch is seen as the user's)."""
+        """After a complete pass: advance the automatic epoch. The sampler keeps the epoch
+        just run, as torch's does; the next pass sets the new one. A sampler that turns the
+        epoch into a plain ``int`` cannot show whether the user set it since: it is then
+        advanced at once, so that a later ``sampler.set_epoch`` to any other epoch is seen
+        as the user's."""
         if self._epoch_is_users:
             return
         self._epoch += 1
-        self._set_sampler_epoch(self._epoch)
-        self._epoch_left = self._epoch
+        if not self._marks:
+            self._set_sampler_epoch(self._epoch)
+            self._epoch_left = self._epoch
 
     @property
     def stats(self) -> LoaderStats:
@@ -296,6 +337,7 @@ class DeviceLoader(Generic[T]):
             device=str(self.device),
             num_workers=getattr(self.loader, "num_workers", None),
             pinned=c.pinned,
+            aborted=c.aborted,
         )
 
     # ------------------------------------------------------------------ iteration
@@ -309,7 +351,11 @@ class DeviceLoader(Generic[T]):
         self._active = run
         try:
             while True:
-                batch = run.next()
+                try:
+                    batch = run.next()
+                except BaseException as e:
+                    run.counters.aborted = _describe(e)
+                    raise
                 if batch is _END:
                     self._end_epoch()
                     return
@@ -332,6 +378,13 @@ class DeviceLoader(Generic[T]):
             f"DeviceLoader({type(self.loader).__name__}, device={str(self.device)!r}, "
             f"prefetch={self.prefetch})"
         )
+
+
+def _describe(e: BaseException) -> str:
+    """``"ValueError: bad sample"``, cut to one short line."""
+    text = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    text = text.splitlines()[0] if text else type(e).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 _END: Any = object()  # end of the source
@@ -360,43 +413,94 @@ class _Producer:
         return False
 
     def _run(self) -> None:
+        last: tuple[object, Any, int, bool | None] | None = (_END, None, 0, None)
         try:
             copier = self.copier
             if copier is not None:
                 copier.set_device()  # else pinning makes a context on device 0
             for batch in self.source:
                 if self.stop.is_set():
-                    return
+                    last = None
+                    break
                 nbytes, pinned = 0, None
                 if copier is not None:
                     batch, nbytes, pinned = pin_leaves(batch, copier.device, copier.pin)
                 if not self._put((batch, None, nbytes, pinned)):
-                    return
-            self._put((_END, None, 0, None))
+                    last = None
+                    break
         except BaseException as e:  # handed to the consumer, which raises it there
-            self._put((_ERROR, e, 0, None))
-        finally:
-            self.source = iter(())  # drop the source iterator (DataLoader shuts its workers)
+            last = (_ERROR, e, 0, None)
+        # The workers end here, in the thread that iterated their DataLoader, before the
+        # consumer hears of the end: a later pass then forks its workers from a process
+        # whose earlier iterators are all shut down (a worker that inherits a live one
+        # prints "can only test a child process" when it collects it).
+        shut_down(self.source)
+        self.source = iter(())
+        if last is not None:
+            self._put(last)
 
     def get(self) -> tuple[object, Any, int, bool | None]:
         return self.queue.get()
 
+    def get_nowait(self) -> tuple[object, Any, int, bool | None]:
+        return self.queue.get_nowait()
+
     def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and wait until it has ended and released the source.
+
+        A DataLoader with worker processes always answers (a batch, or an error within
+        seconds of a worker's death), so its producer is waited for however long the
+        machine's load makes that: it must not outlive the pass holding the workers.
+        Another source's ``next()`` may wait for the consumer itself (a feedback loop):
+        that wait is bounded by ``timeout``, after which the daemon thread ends once the
+        source answers. A DataLoader whose worker died (the consumer heard of it at once,
+        from torch's SIGCHLD handler) is not waited for: its producer learns of it at
+        torch's next status check (5 s) and then ends the other workers itself.
+        """
         self.stop.set()
+        bounded = not _has_workers(self.source)
+        if not bounded and _a_worker_died(self.source):
+            return
         deadline = time.monotonic() + timeout
-        while self.thread.is_alive() and time.monotonic() < deadline:
+        while self.thread.is_alive():
             while True:  # unblock a producer waiting to put
                 try:
                     self.queue.get_nowait()
                 except queue.Empty:
                     break
             self.thread.join(_POLL)
+            if bounded and time.monotonic() >= deadline:
+                break
         if self.thread.is_alive():
             logger.warning(
                 "the prefetch thread is still inside the source's next() after %.0f s; it "
                 "stops when that batch is produced (it is a daemon thread)",
                 timeout,
             )
+
+
+def _has_workers(source: Iterator[Any]) -> bool:
+    """Whether ``source`` is a DataLoader iterator with worker processes."""
+    return callable(getattr(source, "_shutdown_workers", None))
+
+
+def _a_worker_died(source: Iterator[Any]) -> bool:
+    workers = getattr(source, "_workers", None) or []
+    try:
+        return any(not w.is_alive() for w in workers)
+    except (AssertionError, ValueError):  # not this process's children
+        return False
+
+
+def shut_down(source: Iterator[Any]) -> None:
+    """End the worker processes of a DataLoader iterator now, unless they are persistent
+    (kept for the next epoch by design); no-op for other sources. Only from the thread
+    that iterates ``source``, never while another thread is inside its ``next()``."""
+    if _has_workers(source) and not getattr(source, "_persistent_workers", False):
+        try:
+            source._shutdown_workers()  # type: ignore[attr-defined]
+        except Exception as e:  # a worker already gone: nothing more to end
+            logger.debug("shutting down DataLoader workers: %s", e)
 
 
 class _Pass:
@@ -423,8 +527,20 @@ class _Pass:
 
     # -- fetching on the host
 
-    def _fetch(self) -> tuple[Any, int, bool | None]:
-        """The next host batch (or _END), with its byte count and whether it came pinned."""
+    def _fetch(self, block: bool) -> tuple[Any, int, bool | None] | None:
+        """The next host batch (or _END), with its byte count and whether it came pinned;
+        None when ``block`` is False and no batch is ready: the source has not made it
+        yet (it may be waiting for the consumer), or there is no thread to make it."""
+        if not block:
+            if self.producer is None:
+                return None  # reading the source here could block the consumer
+            try:
+                batch, error, nbytes, pinned = self.producer.get_nowait()
+            except queue.Empty:
+                return None
+            if batch is _ERROR:
+                raise error
+            return batch, nbytes, pinned
         c = self.counters
         t0 = time.perf_counter()
         if c.start is None:
@@ -447,9 +563,13 @@ class _Pass:
 
     # -- issuing on the device
 
-    def _issue(self) -> None:
-        """Fetch the next host batch and start moving it; set ``self.ready``."""
-        batch, nbytes, pinned = self._fetch()
+    def _issue(self, block: bool = True) -> None:
+        """Fetch the next host batch and start moving it; set ``self.ready``. Not
+        ``block``-ing: only a batch the producer already holds (else ``ready`` stays None)."""
+        fetched = self._fetch(block)
+        if fetched is None:
+            return
+        batch, nbytes, pinned = fetched
         if batch is _END:
             self.ready = None
             self.done = True
@@ -513,7 +633,10 @@ class _Pass:
         elif self.xla and self.counters.batches:
             xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
         try:
-            self._issue()  # batch k+1 starts moving while batch k computes
+            # Batch k+1 starts moving while batch k computes, if the source has made it: a
+            # source may make it only after the consumer used batch k (a feedback loop), so
+            # this never waits; the next call fetches it then.
+            self._issue(block=False)
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
         c = self.counters
@@ -524,7 +647,11 @@ class _Pass:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close()
+            if not self.producer.thread.is_alive():
+                shut_down(self.source)  # done by the producer; again costs nothing
             self.producer = None
+        else:
+            shut_down(self.source)  # this thread iterated it
         self.source = iter(())  # release the source iterator (a DataLoader's stops its workers)
         self.ready = None
         self.done = True

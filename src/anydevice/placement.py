@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from anydevice.errors import MoveError
+from anydevice.errors import DeviceNotFoundError, DeviceSpecError, MoveError
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as _select_device
 
@@ -67,10 +67,33 @@ def target_device(spec: DeviceLike) -> torch.device:
     device(type='meta')
     """
     if type(spec) is torch.device:
-        if spec.index is not None or spec.type in _NO_INDEX:
+        if spec.type in _NO_INDEX:
+            return spec
+        if spec not in _CHECKED:
+            _check_device(spec)
+        if spec.index is not None:
             return spec
         return _with_current_index(spec)
     return _select_device(spec)
+
+
+#: ``torch.device`` objects already checked against this machine (devices do not vanish
+#: from a process, so a check that passed once holds; one that failed is made again).
+_CHECKED: set[torch.device] = set()
+
+
+def _check_device(dev: torch.device) -> None:
+    """Refuse a ``torch.device`` this machine lacks as the same spec string would be
+    refused (``DeviceNotFoundError``), instead of torch's raw error at the first copy
+    (an ``AssertionError`` for CUDA on a CPU-only build). A type anydevice does not know
+    is left for torch to judge."""
+    try:
+        _select_device(dev)
+    except DeviceNotFoundError:
+        raise
+    except DeviceSpecError:
+        pass  # a type torch knows and anydevice does not: torch decides at the copy
+    _CHECKED.add(dev)
 
 
 def _with_current_index(dev: torch.device) -> torch.device:
@@ -254,7 +277,7 @@ def _move_error(e: _Failure, dev: torch.device) -> MoveError:
 class _Mover:
     """One :func:`to` call: the resolved device, options, and the state of the walk."""
 
-    __slots__ = ("active", "dev", "memo", "nb", "skip", "target_type")
+    __slots__ = ("active", "dev", "keep", "memo", "nb", "nb_from", "skip", "target_type")
 
     def __init__(self, dev: torch.device, nb: NonBlocking, skip: frozenset[Any]) -> None:
         self.dev = dev
@@ -262,7 +285,11 @@ class _Mover:
         self.nb = nb
         self.skip = skip
         self.active: set[int] = set()  # ids of the containers on the current path
-        self.memo: dict[int, tuple[Tensor, Tensor]] = {}  # moved tensors, by id
+        self.memo: dict[int, Tensor] = {}  # moved tensors, by the id of their source
+        # The sources in memo, alive until the walk ends so that no id is reused; a list,
+        # not (source, moved) tuples: a million tuples make the cyclic GC run again and again.
+        self.keep: list[Tensor] | None = None  # made at the first move: most calls move nothing
+        self.nb_from: dict[str, bool] | None = None  # "auto"'s answer per source device type
 
     # The walk: exact types first, since they are almost all a batch is made of.
     def move(self, obj: Any) -> Any:
@@ -279,18 +306,32 @@ class _Mover:
             return obj
         return self.other(obj, t)
 
-    def tensor(self, x: Tensor) -> Tensor:
-        src = x.device
-        if src == self.dev:
-            return x
-        hit = self.memo.get(id(x))
+    def tensor(self, x: Tensor, src: torch.device | None = None) -> Tensor:
+        """``x`` on the target; ``src``: its device, where the caller has read it already
+        (and found it is not the target). Per leaf of a million-tensor batch, so lean."""
+        if src is None:
+            src = x.device
+            if src == self.dev:
+                return x
+        key = id(x)
+        hit = self.memo.get(key)
         if hit is not None:
-            return hit[1]
+            return hit
         nb = self.nb
         if nb == "auto":
-            nb = _auto_non_blocking(src, x, self.target_type)
-        moved = x.to(self.dev, non_blocking=nb)
-        self.memo[id(x)] = (x, moved)
+            known = self.nb_from
+            if known is None:
+                known = self.nb_from = {}
+            found = known.get(src.type)
+            if found is None:
+                found = known[src.type] = _auto_non_blocking(src, x, self.target_type)
+            nb = found
+        # non_blocking=False is Tensor.to's default; passing it costs a keyword parse per leaf
+        moved = x.to(self.dev, non_blocking=True) if nb else x.to(self.dev)
+        self.memo[key] = moved
+        if self.keep is None:
+            self.keep = []
+        self.keep.append(x)
         return moved
 
     def enter(self, obj: object) -> None:
@@ -305,14 +346,17 @@ class _Mover:
     def dict(self, obj: dict[Any, Any]) -> dict[Any, Any]:
         self.enter(obj)
         out = {}
-        dev, skip = self.dev, self.skip
+        dev, skip, tensor, move = self.dev, self.skip, self.tensor, self.move
         k: Any = None
         try:
             for k, v in obj.items():
-                if (type(v) is Tensor and v.device == dev) or (skip and k in skip):
+                if skip and k in skip:
                     out[k] = v
+                elif type(v) is Tensor:
+                    src = v.device
+                    out[k] = v if src == dev else tensor(v, src)
                 else:
-                    out[k] = self.move(v)
+                    out[k] = move(v)
         except Exception as e:
             _add_path(e, f"[{k!r}]", obj)
             raise
@@ -321,17 +365,18 @@ class _Mover:
 
     def list(self, obj: Iterable[Any]) -> list[Any]:
         self.enter(obj)
-        dev = self.dev
-        out = []
-        i = -1
+        dev, tensor, move = self.dev, self.tensor, self.move
+        out: list[Any] = []
+        append = out.append
         try:
-            for i, v in enumerate(obj):  # noqa: B007 (i names the failing item)
-                if type(v) is Tensor and v.device == dev:
-                    out.append(v)
+            for v in obj:
+                if type(v) is Tensor:
+                    src = v.device
+                    append(v if src == dev else tensor(v, src))
                 else:
-                    out.append(self.move(v))
+                    append(move(v))
         except Exception as e:
-            _add_path(e, f"[{i}]", obj)
+            _add_path(e, f"[{len(out)}]", obj)  # the item that failed
             raise
         self.active.discard(id(obj))
         return out

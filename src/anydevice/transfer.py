@@ -120,18 +120,21 @@ class _Pinner(_Mover):
         self.nbytes = 0  #: bytes of the CPU tensors seen (what the copy will move)
         self.already = True  #: every dense CPU tensor came pinned
 
-    def tensor(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
+    def tensor(self, x: torch.Tensor, src: torch.device | None = None) -> torch.Tensor:
+        if (x.device if src is None else src).type != "cpu":
             return x  # on a device already (this one or another): ad.to handles it
         hit = self.memo.get(id(x))
         if hit is not None:
-            return hit[1]
+            return hit
         self.nbytes += _nbytes(x)
         out = x
         if x.layout is torch.strided and not x.is_pinned():
             self.already = False
             out = self.pin(x)
-        self.memo[id(x)] = (x, out)
+        self.memo[id(x)] = out
+        if self.keep is None:
+            self.keep = []
+        self.keep.append(x)
         return out
 
     def other(self, obj: Any, t: type) -> Any:

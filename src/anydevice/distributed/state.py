@@ -13,7 +13,8 @@ What lands on disk:
   file renamed over the target; CRC-checked on load).
 * **Several ranks** — a folder in torch's distributed checkpoint format (DCP): every rank
   writes its own shards (``__<rank>_0.distcp``), rank 0 the index (``.metadata``); beside
-  them ``extra.rank<r>.pt``, rank ``r``'s ``extra``, and ``anydevice.json`` (the world
+  them ``extra.rank<r>.pt``, rank ``r``'s ``extra``, ``precision.rank<r>.pt``, its
+  precision policy's state where one was given, and ``anydevice.json`` (the world
   size). The folder is written under a temporary name and renamed into place by rank 0
   once every rank has finished, so a crash mid-save leaves the previous checkpoint whole.
   POSIX cannot rename a folder over a non-empty one, so the previous checkpoint is first
@@ -35,7 +36,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from torch import nn
 
 from anydevice import checkpoint
 from anydevice.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from anydevice.precision import Precision
 
 __all__ = ["load_state", "save_state"]
 
@@ -59,6 +63,7 @@ def save_state(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    precision: Precision | None = None,
     **extra: Any,
 ) -> Path:
     """Save ``model``, ``optimizer`` and ``extra`` so that :func:`load_state` resumes them.
@@ -76,6 +81,9 @@ def save_state(
             parent folder must exist (on a file system every rank sees).
         model: the model, as ``ad.prepare`` returned it (or the plain module).
         optimizer: its optimizer.
+        precision: the :func:`anydevice.precision` policy of the loop: its mode and, in
+            fp16, the loss scaler's scale and growth tracker are saved with the rest, so a
+            resumed run does not start again at a scale of 65536 and skip steps to find it.
         extra: anything else to restore, per rank: the step, epoch, ``scheduler.state_dict()``,
             ``torch.get_rng_state()``, ... — tensors, numbers, strings and containers of
             them (what ``torch.load(weights_only=True)`` reads back).
@@ -89,16 +97,20 @@ def save_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     target = Path(os.fspath(path))
+    precision_state = _precision_state(precision, extra)
     model_state, optim_state = _states(model, optimizer, get_state_dict)
     rank, size = _world()
     if size == 1:
         state = {"format": _FORMAT, "model": model_state, "optimizer": optim_state, "extra": extra}
+        if precision_state is not None:
+            state["precision"] = precision_state
         if target.is_dir():  # a folder saved by several ranks: replaced the same way
-            tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+            _sweep(target)
+            tmp = target.parent / checkpoint.temp_name(target, "tmp")
             _replace(checkpoint.save(state, tmp), target)
             return target
         return checkpoint.save(state, target)
-    return _save_sharded(target, rank, size, model_state, optim_state, extra)
+    return _save_sharded(target, rank, size, model_state, optim_state, extra, precision_state)
 
 
 def load_state(
@@ -106,6 +118,7 @@ def load_state(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    precision: Precision | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` from :func:`save_state`; return its ``extra``.
 
@@ -116,6 +129,10 @@ def load_state(
         path: what :func:`save_state` wrote.
         model: the model to restore into (plain, DDP or FSDP).
         optimizer: its optimizer; its state is restored too.
+        precision: the loop's :func:`anydevice.precision` policy: the scaler state saved
+            with ``save_state(..., precision=p)`` is restored into it (also across modes:
+            see :meth:`~anydevice.Precision.load_state_dict`). A checkpoint saved without
+            one leaves it as it is, with a warning on the ``anydevice`` logger.
 
     Returns:
         This rank's ``extra`` (rank ``r`` of the saving world; on ranks that world did not
@@ -132,8 +149,11 @@ def load_state(
         set_state_dict,
     )
 
+    _check_precision(precision)
     rank, size = _world()
     source = _resolve(Path(os.fspath(path)))
+    if rank == 0 and source == Path(os.fspath(path)):
+        _sweep(source)  # what saves killed mid-way left beside it
     if source.is_file():
         saved = checkpoint.load(source, "cpu")
         if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
@@ -146,6 +166,8 @@ def load_state(
         model_state, optim_state = saved["model"], saved["optimizer"]
         options = StateDictOptions(full_state_dict=True, strict=True) if size > 1 else None
         _set(model, optimizer, model_state, optim_state, set_state_dict, options, source)
+        if precision is not None:
+            _load_precision(precision, saved.get("precision"), source)
         return dict(saved["extra"])
     manifest = _check_folder(source)
     from torch.distributed.checkpoint import state_dict_loader as dcp
@@ -166,7 +188,47 @@ def load_state(
             "missing (a rank's extra state). Use an earlier checkpoint.",
             path=str(source),
         )
+    if precision is not None:
+        own = source / f"precision.rank{rank if rank < saved_ranks else 0}.pt"
+        saved_precision = checkpoint.load(own, "cpu") if own.exists() else None
+        _load_precision(precision, saved_precision, source)
     return dict(checkpoint.load(extra_file, "cpu"))
+
+
+def _precision_state(precision: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
+    """``precision.state_dict()``; a mapping passed as ``precision=`` (what had to be done
+    by hand before) stays an ``extra`` entry, as it was."""
+    from anydevice.precision import Precision
+
+    if precision is None:
+        return None
+    if isinstance(precision, Precision):
+        return precision.state_dict()
+    extra["precision"] = precision
+    return None
+
+
+def _check_precision(precision: object) -> None:
+    from anydevice.precision import Precision
+
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(
+            f"ad.load_state(precision=...) takes the loop's ad.precision(...) policy, not a "
+            f"{type(precision).__name__}; pass precision=p, or read a state saved as an extra "
+            "from the returned dict and call p.load_state_dict on it."
+        )
+
+
+def _load_precision(precision: Precision, state: Any, source: Path) -> None:
+    if state is None:
+        logger.warning(
+            "load_state(%s): the checkpoint holds no precision state (saved without "
+            "precision=); %s keeps its own",
+            source,
+            precision,
+        )
+        return
+    precision.load_state_dict(state)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -179,6 +241,7 @@ def _save_sharded(
     model_state: dict[str, Any],
     optim_state: Any,
     extra: dict[str, Any],
+    precision_state: dict[str, Any] | None = None,
 ) -> Path:
     from torch.distributed.checkpoint import state_dict_saver as dcp
 
@@ -186,7 +249,7 @@ def _save_sharded(
     if rank == 0:
         _recover(target)
         _remove_leftovers(target)
-        tmp = target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+        tmp = target.parent / checkpoint.temp_name(target, "tmp")
         try:
             tmp.mkdir()
             tmp_name[0] = tmp.name
@@ -209,6 +272,8 @@ def _save_sharded(
     try:
         dcp.save(state, checkpoint_id=str(tmp))
         checkpoint.save(extra, tmp / f"extra.rank{rank}.pt")
+        if precision_state is not None:
+            checkpoint.save(precision_state, tmp / f"precision.rank{rank}.pt")
         if rank == 0:
             manifest = {"format": _FORMAT, "world_size": size, "optimizer": "optimizer" in state}
             (tmp / _MANIFEST).write_text(json.dumps(manifest))
@@ -239,7 +304,7 @@ def _replace(tmp: Path, target: Path) -> None:
     _fsync(tmp)
     old = None
     if target.exists():
-        old = target.parent / f".{target.name}.{os.urandom(4).hex()}.old"
+        old = target.parent / checkpoint.temp_name(target, "old")
         os.replace(target, old)
     os.replace(tmp, target)
     _fsync(target.parent)
@@ -255,19 +320,52 @@ def _recover(target: Path) -> None:
     previous checkpoint aside: put it back."""
     if target.exists():
         return
-    aside = sorted(target.parent.glob(f".{target.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    aside = _aside(target)
     if aside:
         logger.warning("save_state: %s restored from %s (a save was cut short)", target, aside[-1])
         os.replace(aside[-1], target)
 
 
+def _aside(target: Path) -> list[Path]:
+    """Previous checkpoints a cut-short :func:`_replace` left aside, oldest first."""
+    found = [Path(e.path) for e, _ in checkpoint.temps(target, "old")]
+    found += target.parent.glob(f".{target.name}.{_HEX8}.old")  # named before writers were
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+_HEX8 = "[0-9a-f]" * 8
+
+
 def _remove_leftovers(target: Path) -> None:
+    """Before a save: remove what earlier saves to ``target`` left (unnamed ones from
+    before temporaries named their writer, and those of dead writers)."""
     for leftover in (
-        *target.parent.glob(f".{target.name}.*.tmp"),
-        *target.parent.glob(f".{target.name}.*.old"),
+        *target.parent.glob(f".{target.name}.{_HEX8}.tmp"),
+        *target.parent.glob(f".{target.name}.{_HEX8}.old"),
     ):
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
+    _sweep(target)
+
+
+def _sweep(target: Path) -> None:
+    """Remove the temporary and set-aside folders beside ``target`` whose writer has died
+    (a rank SIGKILLed mid-save); a live writer's are left alone, and a set-aside
+    checkpoint only once ``target`` is there again."""
+    dead = [e for e in checkpoint.stale_temps(target, "tmp") if e.is_dir(follow_symlinks=False)]
+    if target.exists():
+        dead += [
+            e for e in checkpoint.stale_temps(target, "old") if e.is_dir(follow_symlinks=False)
+        ]
+    for entry in dead:
+        shutil.rmtree(entry.path, ignore_errors=True)
+    if dead:
+        logger.info(
+            "%s: removed %d folder(s) left by saves that were killed: %s",
+            target,
+            len(dead),
+            ", ".join(e.name for e in dead),
+        )
 
 
 def _fsync(folder: Path) -> None:
@@ -285,7 +383,7 @@ def _fsync(folder: Path) -> None:
 def _resolve(path: Path) -> Path:
     if path.exists():
         return path
-    aside = sorted(path.parent.glob(f".{path.name}.*.old"), key=lambda p: p.stat().st_mtime)
+    aside = _aside(path)
     if aside:
         logger.warning("load_state: no %s; loading %s (a save was cut short)", path, aside[-1])
         return aside[-1]
