@@ -142,10 +142,14 @@ def _check_kind(kind: str, spec: object, source: str) -> str:
     close = difflib.get_close_matches(kind, [*_KINDS, "tpu", *generic], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     origin = "" if source == "argument" else f" (from {source})"
+    registered = (
+        "".join(f"{g}[:i], " for g in generic)
+        if generic
+        else "<name>[:i] (the name an accelerator's backend registers with torch), "
+    )
     raise DeviceSpecError(
         f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        f"mps, xpu[:i], xla[:i], {''.join(g + '[:i], ' for g in generic)}free, an int, "
-        "or a torch.device."
+        f"mps, xpu[:i], xla[:i], tpu[:i], {registered}free, meta, an int, or a torch.device."
     )
 
 
