@@ -189,3 +189,27 @@ def test_a_names_lookup_imports_what_its_first_call_needs(name):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout) == [], f"ad.{name}'s first call imported these"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda: anydevice.DeviceLoader(None), TypeError, ("loader must be", "DataLoader")),
+        (lambda: anydevice.timeit(5), TypeError, ("fn must be the function to time", "(5)")),
+        (
+            lambda: anydevice.device("cpu", need_memory=float("nan")),
+            anydevice.DeviceSpecError,
+            ("need_memory=nan", "'8GiB'"),
+        ),
+        (
+            lambda: anydevice.device("cpu", need_memory=[8]),
+            TypeError,
+            ("need_memory=[8]", "'8GiB'"),
+        ),
+    ],
+)
+def test_a_bad_argument_is_named_with_what_to_pass(call, error, says):
+    with pytest.raises(error) as info:
+        call()
+    for words in says:
+        assert words in str(info.value), str(info.value)

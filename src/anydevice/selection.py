@@ -446,7 +446,10 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
         DeviceSpecError: malformed spec.
     """
     parsed = _resolve_auto(spec)
-    need = None if need_memory is None else parse_size(need_memory)
+    try:
+        need = None if need_memory is None else parse_size(need_memory)
+    except (TypeError, DeviceSpecError) as e:
+        raise type(e)(f"need_memory={need_memory!r}: {e}") from None
     if need is None and parsed.kind in ("cpu", "meta"):
         return torch.device(parsed.kind)  # nothing to look up
     inv = _inventory_for(parsed)
