@@ -285,7 +285,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
         render_report(report, Console())
     if args.plot:
-        err.print(f"wrote {args.plot}", highlight=False)
+        err.print(f"wrote {args.plot}", highlight=False, soft_wrap=True)  # a path, unbroken
     return report.exit_code
 
 
