@@ -147,9 +147,10 @@ def _check_kind(kind: str, spec: object, source: str) -> str:
         if generic
         else "<name>[:i] (the name an accelerator's backend registers with torch), "
     )
+    tpu = "" if "tpu" in generic else "tpu[:i], "  # a backend named tpu is listed as such
     raise DeviceSpecError(
         f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        f"mps, xpu[:i], xla[:i], tpu[:i], {registered}free, meta, an int, or a torch.device."
+        f"mps, xpu[:i], xla[:i], {tpu}{registered}free, meta, an int, or a torch.device."
     )
 
 
