@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.stamp
 
-.PHONY: run test lint typecheck unit bench gpu-check clean
+.PHONY: run test test-quick lint typecheck unit bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +16,8 @@ $(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) -e ".[test]"
 	@touch $@
 
-# numpy too: without it `import torch` prints "Failed to initialize NumPy" before every command.
 $(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt
-	$(PIP) -e . numpy
+	$(PIP) -e .
 	@touch $@
 
 $(STAMP)-bench: $(STAMP)-test
@@ -29,11 +28,16 @@ $(STAMP)-bench: $(STAMP)-test
 run: $(STAMP)-run
 	$(VENV)/bin/anydevice doctor
 
-## make test: the whole suite, lint and type checks included.
+## make test: the whole suite, lint and type checks included. The tests run on every usable
+## core (pytest-xdist), those that start several processes one at a time on one of them.
 test: lint unit
 
 unit: $(STAMP)-test
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
+
+## make test-quick: the tests not marked slow (no multi-process launches), on every core.
+test-quick: $(STAMP)-test
+	$(PY) -m pytest -n auto -m "not slow"
 
 lint: $(STAMP)-test
 	$(VENV)/bin/ruff check src tests benchmarks examples scripts

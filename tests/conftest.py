@@ -1,6 +1,11 @@
 """Test configuration: ``cuda`` tests run only where an NVIDIA GPU is really present, and
 ``xla`` tests only where torch_xla is installed and has a device.
 
+Under pytest-xdist (``make test`` runs ``-n auto``, one worker per usable core), the tests
+that start worlds of processes run one after another on one worker, beside the in-process
+tests on the others: two worlds never compete for the same cores, so their real timeouts
+keep their meaning on a small machine.
+
 The CUDA check reads NVML through anydevice's own inventory, so it neither initialises CUDA
 in the pytest process nor fakes anything: on a machine without a GPU the tests are skipped.
 torch_xla is looked for without importing it, and imported only where it is installed
@@ -10,8 +15,29 @@ torch_xla is looked for without importing it, and imported only where it is inst
 from __future__ import annotations
 
 import functools
+import os
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+#: Test files whose tests start several processes each (launches, ranks, workers, or the
+#: examples all at once). Elsewhere, a test marked ``slow`` counts as one too.
+WORLDS = frozenset(
+    {
+        "test_examples.py",
+        "test_distributed_agent.py",
+        "test_distributed_collectives.py",
+        "test_distributed_context.py",
+        "test_distributed_elastic.py",
+        "test_distributed_fsdp.py",
+        "test_distributed_parallel.py",
+        "test_distributed_preemption.py",
+        "test_distributed_sharing.py",
+        "test_distributed_state.py",
+    }
+)
 
 
 @functools.cache
@@ -48,3 +74,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if marked and not present():
             for item in marked:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, where it is installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per core this process may use (xdist counts every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Every test that starts a world, on one worker, one after another; the rest anywhere.
+
+    ``--dist loadgroup`` with ``xdist_group`` marks would say the same, but pytest 9.2 and
+    pytest-xdist 3.8 lose the groups (pytest-dev/pytest-xdist#1386). The scheduler sees
+    only node ids, so it knows a world by its file, or by a ``slow`` mark in the source.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    slow = _slow_tests(Path(config.rootpath) / "tests")
+
+    class WorldsApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            name = rest.split("[")[0]
+            return "worlds" if Path(path).name in WORLDS or name in slow else nodeid
+
+    return WorldsApart(config, log)
+
+
+def _slow_tests(folder: Path) -> frozenset[str]:
+    """The tests marked ``slow`` in the source: each ``def`` a ``@pytest.mark.slow`` decorates."""
+    found = set()
+    for path in folder.glob("test_*.py"):
+        found.update(
+            re.findall(r"^@pytest\.mark\.slow\n(?:@.*\n)*def (\w+)", path.read_text(), re.M)
+        )
+    return frozenset(found)

@@ -106,7 +106,9 @@ def test_unknown_name_is_an_attribute_error_and_dir_lists_the_api():
     assert set(anydevice.__all__) <= set(dir(anydevice))
 
 
-def test_loading_the_api_adds_only_anydevice_modules_to_torch():
+def test_loading_the_api_adds_only_anydevice_modules_and_psutil_to_torch():
+    # psutil (a dependency) is how the CPU backend reads the host; it brings the standard
+    # library's ``resource``.
     code = (
         "import sys, json, torch; before = set(sys.modules); "
         + LOAD_ALL
@@ -117,15 +119,18 @@ def test_loading_the_api_adds_only_anydevice_modules_to_torch():
     )
     added = json.loads(out.stdout)
     assert added, "anydevice itself should appear"
-    assert all(m == "anydevice" or m.startswith("anydevice.") for m in added), added
+    others = [m for m in added if m.split(".")[0] not in ("anydevice", "psutil")]
+    assert all(m.split(".")[0] in sys.stdlib_module_names for m in others), others
 
 
-def test_loading_the_api_loads_no_rich_nvml_xla_or_backends():
+def test_loading_the_api_loads_no_rich_xla_or_cli():
+    # The device backends do load (a name's lookup imports what its first call needs), but
+    # none of them imports torch_xla before it looks (nor NVML: the test below).
     code = (
         "import sys, json; "
         + LOAD_ALL
         + "print(json.dumps([m for m in sys.modules if m.split('.')[0] in "
-        "('rich', 'torch_xla', 'psutil') or m.startswith('anydevice.backends') "
+        "('rich', 'torch_xla') "
         "or m in ('anydevice.cli', 'anydevice.console', 'anydevice.doctor')]))"
     )
     out = subprocess.run(
@@ -157,3 +162,54 @@ def test_loading_the_api_loads_no_elastic_agent():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout) == []
+
+
+#: The first calls a newcomer times: each in a fresh process, after only its name's lookup.
+FIRST_CALLS = {
+    "device": "ad.device()",
+    "DeviceLoader": "list(ad.DeviceLoader([torch.ones(2)] * 2))",
+    "prepare": "ad.prepare(torch.nn.Linear(2, 2), strategy='dp')",
+    "to": "ad.to(torch.nn.Linear(2, 2), 'auto')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_CALLS))
+def test_a_names_lookup_imports_what_its_first_call_needs(name):
+    # Step 1 of a timed loop must not pay imports: the lookup (``ad.device`` without the
+    # call) loads them, and the first call then adds nothing to sys.modules.
+    code = (
+        "import sys, json, warnings, torch, anydevice as ad\n"
+        "warnings.simplefilter('ignore')\n"
+        f"ad.{name}\n"
+        "before = set(sys.modules)\n"
+        f"{FIRST_CALLS[name]}\n"
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == [], f"ad.{name}'s first call imported these"
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda: anydevice.DeviceLoader(None), TypeError, ("loader must be", "DataLoader")),
+        (lambda: anydevice.timeit(5), TypeError, ("fn must be the function to time", "(5)")),
+        (
+            lambda: anydevice.device("cpu", need_memory=float("nan")),
+            anydevice.DeviceSpecError,
+            ("need_memory=nan", "'8GiB'"),
+        ),
+        (
+            lambda: anydevice.device("cpu", need_memory=[8]),
+            TypeError,
+            ("need_memory=[8]", "'8GiB'"),
+        ),
+    ],
+)
+def test_a_bad_argument_is_named_with_what_to_pass(call, error, says):
+    with pytest.raises(error) as info:
+        call()
+    for words in says:
+        assert words in str(info.value), str(info.value)

@@ -386,8 +386,101 @@ def test_launch_takes_torchruns_spellings_and_leaves_script_arguments_alone():
         ["launch", "--standalone", "--nproc_per_node", "2", "--max_restarts", "1",
          "--rdzv_id", "job", "train.py", "-n", "5", "--lr", "0.1"]
     )  # fmt: skip
-    assert (args.nprocs, args.max_restarts, args.rdzv_id) == ("2", 1, "job")
+    assert (args.nprocs, args.max_restarts, args.rdzv_id) == (2, 1, "job")
     assert (args.target, args.args) == ("train.py", ["-n", "5", "--lr", "0.1"])
+
+
+def harness(*args: str, unset: tuple[str, ...] = ()) -> tuple[bool, int, str]:
+    """Run the command under HARNESS: (whether torch was imported, exit code, stderr)."""
+    out = subprocess.run(
+        [sys.executable, "-c", HARNESS, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in unset},
+    )
+    lines = out.stderr.strip().splitlines()
+    report = json.loads(lines[-1])
+    return report["torch"], report["code"], "\n".join(lines[:-1])
+
+
+def test_launch_without_a_script_says_only_script_is_required():
+    torch_imported, code, err = harness("launch")
+    assert (torch_imported, code) == (False, 2)
+    assert err.endswith("the following arguments are required: SCRIPT")
+
+
+def test_launch_help_documents_m_with_the_positional_it_changes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: anydevice launch [-n N] [options] [-m] SCRIPT [ARGS...]")
+    assert "SCRIPT is a module name" in text and "TARGET" not in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("-n", "0"), "argument -n/--nprocs"),
+        (("-n", "abc"), "argument -n/--nprocs"),
+        (("--nproc-per-node", "-2"), "argument -n/--nprocs"),
+        (("--timeout", "0"), "argument --timeout"),
+        (("--timeout", "nan"), "argument --timeout"),
+        (("--nnodes", "2:1"), "argument --nnodes"),
+        (("--nnodes", "two"), "argument --nnodes"),
+        (("--max-restarts", "-1"), "argument --max-restarts"),
+        (("--node-rank", "x"), "argument --node-rank"),
+        (("--rdzv-endpoint", "10.0.0.1"), "argument --rdzv-endpoint"),
+        (("--nnodes", "2"), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (("--nnodes", "1:3"), "--nnodes 1:3 needs --rdzv-endpoint HOST:PORT"),
+    ],
+)
+def test_launch_refuses_bad_flags_in_the_parser_without_importing_torch(flags, named):
+    not_launched = cli._LAUNCHER_VARS  # as a command typed at a shell
+    torch_imported, code, err = harness("launch", *flags, "train.py", unset=not_launched)
+    assert (torch_imported, code) == (False, 2), err
+    assert named in err and "usage: anydevice launch" in err
+    assert "='" not in err  # the flags' names, not Python keywords (nnodes='2')
+
+
+def test_a_launch_with_a_bad_anydevice_device_starts_no_worker(tmp_path):
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "import anydevice as ad\nad.device()\n"
+    )
+    code, _, err = anydevice(
+        "launch", "-n", "2", str(script), env={"ANYDEVICE_DEVICE": "bogus"}, timeout=120
+    )
+    assert code == 2, err
+    assert "no worker was started" in err and "Unknown device 'bogus'" in err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        ("no_such_module_here", "No module named 'no_such_module_here'"),
+        ("json.no_such_module", "No module named 'json.no_such_module'"),
+        ("json", "'json' is a package without a __main__ module"),
+    ],
+)
+def test_launch_of_a_missing_module_says_so_before_starting_workers(module, message):
+    torch_imported, code, err = harness("launch", "-n", "2", "-m", module)
+    assert (torch_imported, code) == (False, 1), err
+    assert err == f"anydevice launch: {message}" or err.startswith(f"anydevice launch: {message}")
+
+
+def test_launch_finds_a_module_in_the_working_directory_as_the_workers_will(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('the package ran')\n")
+    (tmp_path / "pkg" / "job.py").write_text("")
+    assert cli._missing_module("pkg.job", [str(tmp_path), *sys.path[1:]]) is None
+    assert "pkg" not in sys.modules  # found on disk, its __init__ not run
+    assert "No module named 'pkg.nope'" in str(
+        cli._missing_module("pkg.nope", [str(tmp_path), *sys.path[1:]])
+    )
 
 
 def test_launch_of_a_missing_script_says_so(capsys):

@@ -90,6 +90,19 @@ def test_reprs_are_readable():
     assert "torch 2.13.0+cu128 (CUDA 12.8)" in repr(inv.host)
 
 
+def test_print_shows_the_tables_of_anydevice_info_and_notebooks_get_html():
+    inv = machine(gpu(0, free=3 * GiB), notes=("a <note>",))
+    text = str(inv)
+    assert text != repr(inv) and "\n" in text
+    for shown in ("host", "testbox", "torch", "cuda:0", "NVIDIA H100 80GB HBM3", "3.0 GiB free"):
+        assert shown in text, shown
+    assert "note: a <note>" in text
+    page = inv._repr_html_()
+    assert page.count("<table>") == 3  # the host, the GPU, the CPU
+    assert "<b>cuda:0 NVIDIA H100 80GB HBM3</b>" in page and "3.0 GiB free" in page
+    assert "a &lt;note&gt;" in page  # text is escaped
+
+
 def test_inventory_helpers():
     inv = machine(gpu(0), gpu(1))
     assert [d.spec for d in inv.accelerators] == ["cuda:0", "cuda:1"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import anydevice as ad
+from anydevice.backends.cuda import cuda_built
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks behaviour without CUDA")
 
@@ -112,6 +113,16 @@ def test_find_syncs_without_cuda_says_not_applicable():
         _ = report.syncs  # not an empty tuple that reads as "no syncs"
     with pytest.raises(ad.MeasurementError):
         report.by_location()
+
+
+@pytest.mark.skipif(cuda_built(), reason="says why on a CPU-only build of torch")
+def test_find_syncs_on_a_cpu_build_says_what_it_takes_in_a_whole_sentence():
+    report = ad.find_syncs(lambda: 1)
+    assert repr(report) == (
+        f"SyncReport(not applicable: this torch ({torch.__version__}) is a CPU-only build; "
+        "finding implicit synchronisations takes CUDA's sync debug mode, so a CUDA build of "
+        "torch and an NVIDIA GPU)"
+    )
 
 
 def test_find_syncs_lets_errors_through():

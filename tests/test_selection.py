@@ -78,6 +78,15 @@ def test_parse_spec_rejects_malformed_text_with_a_value_error(text, match):
     assert isinstance(info.value, ValueError)
 
 
+def test_unknown_spec_lists_every_spelling_the_docs_list():
+    # tpu[:i] and a registered backend's <name>[:i] are accepted, so the message lists them.
+    with pytest.raises(DeviceSpecError) as info:
+        parse_spec("bogus")
+    message = str(info.value)
+    for spelling in ("gpu[:i]", "cuda[:i]", "xla[:i]", "tpu[:i]", "<name>[:i]", "meta", "free"):
+        assert spelling in message, spelling
+
+
 @pytest.mark.parametrize("bad", [True, 1.5, None, ["cuda"]])
 def test_parse_spec_rejects_other_types(bad):
     with pytest.raises(TypeError, match="str, int or torch.device"):

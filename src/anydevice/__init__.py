@@ -238,14 +238,40 @@ _SOURCES: dict[str, str] = {
 }
 
 
+#: Modules whose names are plain definitions: their first use imports nothing more.
+_SELF_CONTAINED = frozenset({"anydevice.errors"})
+
+
 def __getattr__(name: str) -> Any:
-    """Load a public name from its module on first use (PEP 562)."""
+    """Load a public name from its module on first use (PEP 562).
+
+    The lookup also imports what the name's first call would (:func:`_load_device_finders`),
+    so that ``ad.device()``, ``ad.DeviceLoader(...)``, ``ad.prepare(...)`` and ``ad.to(...)``
+    pay no imports in step 1 of a timed loop: ``dev = ad.device`` or the first line that
+    names it pays them, once.
+    """
     module = _SOURCES.get(name)
     if module is None:
         raise AttributeError(f"module 'anydevice' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    if module not in _SELF_CONTAINED:
+        _load_device_finders()
     globals()[name] = value  # later lookups are plain attribute reads
     return value
+
+
+def _load_device_finders() -> None:
+    """Import the device backends and psutil, which every device lookup uses.
+
+    Each backend is a small module that imports neither torch nor a vendor library (NVML
+    and ``torch_xla`` load only when a backend looks); instantiating one touches no device.
+    psutil is what the CPU backend reads the host with.
+    """
+    from anydevice import backends
+
+    for kind in backends.KINDS:
+        backends.get(kind)
+    import psutil  # noqa: F401
 
 
 def __dir__() -> list[str]:

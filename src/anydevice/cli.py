@@ -285,7 +285,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
         render_report(report, Console())
     if args.plot:
-        err.print(f"wrote {args.plot}", highlight=False)
+        err.print(f"wrote {args.plot}", highlight=False, soft_wrap=True)  # a path, unbroken
     return report.exit_code
 
 
@@ -293,7 +293,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
-    p.usage = "anydevice launch [-n N] [options] SCRIPT [ARGS...]  |  ... -m MODULE [ARGS...]"
+    p.usage = "anydevice launch [-n N] [options] [-m] SCRIPT [ARGS...]"
     p.epilog = (
         "Like torchrun, on torch's elastic agent (torchrun's spellings of the options work "
         "too). Under srun with one task per node, the nodes, node rank and rendezvous come "
@@ -306,17 +306,20 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nprocs",
+        type=_nprocs,
         default="auto",
         metavar="N",
         help="processes on this node: a number, 'gpu' (one per GPU) or 'auto' (default: "
         "one per GPU, else 1)",
     )
-    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes (default 1)")
+    p.add_argument(
+        "--nnodes", type=_nodes, default="1", metavar="N|MIN:MAX", help="nodes (default 1)"
+    )
     p.add_argument(
         "--node-rank",
         "--node_rank",
         dest="node_rank",
-        type=int,
+        type=_whole_number,
         default=None,
         metavar="R",
         help="0 on the node at --rdzv-endpoint, which hosts the rendezvous",
@@ -325,6 +328,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         dest="rdzv_endpoint",
+        type=_endpoint,
         default=None,
         metavar="HOST:PORT",
         help="where the nodes meet (needed with --nnodes > 1)",
@@ -341,14 +345,14 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--max-restarts",
         "--max_restarts",
         dest="max_restarts",
-        type=int,
+        type=_whole_number,
         default=0,
         metavar="K",
         help="restarts after a failure",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_seconds,
         default=300.0,
         metavar="S",
         help="seconds any wait may last: reaching the rendezvous, all nodes joining (default 300)",
@@ -372,13 +376,159 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show torch elastic's own log lines and every failing worker's traceback",
     )
-    p.add_argument("-m", "--module", action="store_true", help="run TARGET as a module")
-    p.add_argument("target", metavar="SCRIPT", help="the script (or module with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script")
+    p.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name: run it as `python -m SCRIPT` does",
+    )
+    p.add_argument("target", metavar="SCRIPT", help="the script to run (with -m, the module)")
+    rest = p.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="passed to SCRIPT (optional)"
+    )
+    rest.required = False  # argparse counts a REMAINDER as required when nothing is left
+    p.set_defaults(_launch_parser=p)
+
+
+def _nprocs(text: str) -> int | str:
+    word = text.strip().lower()
+    if word in ("auto", "gpu"):
+        return word
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of processes (at least 1), 'gpu' or 'auto'"
+        ) from None
+
+
+def _nodes(text: str) -> str:
+    low, sep, high = text.strip().partition(":")
+    if low.isdigit() and (not sep or high.isdigit()) and 1 <= int(low) <= int(high or low):
+        return text.strip()
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a number of nodes (at least 1) or a range MIN:MAX with 1 <= MIN <= MAX"
+    )
+
+
+def _whole_number(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 0")
+    return int(text)
+
+
+def _endpoint(text: str) -> str:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. 10.0.0.1:29400")
+    return text.strip()
+
+
+#: Variables of a launcher (torchrun, srun, mpirun) that can say where the nodes meet, or
+#: make ``launch`` run the script in place (``anydevice.distributed.environment``).
+_LAUNCHER_VARS = (
+    "TORCHELASTIC_RUN_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "MV2_COMM_WORLD_SIZE",
+)
+
+
+def _launch_usage_error(args: argparse.Namespace) -> str | None:
+    """What in the flags cannot work together, found before torch is imported."""
+    high = int(args.nnodes.partition(":")[2] or args.nnodes.partition(":")[0])
+    if high > 1 and args.rdzv_endpoint is None:
+        import os
+
+        if not any(name in os.environ for name in _LAUNCHER_VARS):
+            return (
+                f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT: an address of the "
+                "node with --node-rank 0 that every node can reach, the same on every node "
+                "(e.g. --rdzv-endpoint 10.0.0.1:29400)"
+            )
+    return None
+
+
+def _missing_target(target: str, module: bool) -> str | None:
+    """Why ``target`` cannot run, looked up as the workers would, without running it."""
+    import os
+
+    if not module:
+        if os.path.isfile(target):
+            return None
+        return f"No script {target!r} (in {os.getcwd()})."
+    return _missing_module(target, [os.getcwd(), *sys.path[1:]])  # a worker's sys.path
+
+
+def _missing_module(name: str, path: list[str]) -> str | None:
+    """Why ``python -m name`` would find nothing to run on ``path``, or None.
+
+    Each package on the way is found on disk without running its ``__init__``; only a
+    module that a plain search cannot see (one a custom import hook provides) is looked up
+    with :func:`importlib.util.find_spec`, which imports its parent packages.
+    """
+    import importlib.machinery
+    import importlib.util
+
+    top, *parts = name.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(top, path)
+    if spec is None:  # perhaps a module that an import hook provides
+        saved = sys.path[:]
+        sys.path[:] = path
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        except (Exception, SystemExit):  # the package's own code failed: the worker says how
+            return None
+        finally:
+            sys.path[:] = saved
+        parts = []
+    for part in parts:
+        where = spec.submodule_search_locations if spec is not None else None
+        spec = importlib.machinery.PathFinder.find_spec(part, list(where)) if where else None
+    if spec is None:
+        return f"No module named {name!r} (looked in {path[0]} and on sys.path)."
+    package = spec.submodule_search_locations is not None
+    if package and _missing_module(f"{name}.__main__", path) is not None:
+        return f"{name!r} is a package without a __main__ module, so it cannot be run with -m."
+    return None
+
+
+def _bad_device_variable() -> str | None:
+    """What is wrong with ``ANYDEVICE_DEVICE`` here, found before any worker starts."""
+    import os
+
+    value = os.environ.get("ANYDEVICE_DEVICE", "").strip()
+    if not value:
+        return None
+    from anydevice.errors import AnydeviceError
+    from anydevice.selection import describe
+
+    try:
+        describe("auto", telemetry=False)  # what ad.device() in each worker would pick
+    except AnydeviceError as e:
+        return f"no worker was started, as each would fail on ANYDEVICE_DEVICE: {e}"
+    return None
 
 
 def _launch(args: argparse.Namespace) -> int:
     import signal
+
+    problem = _launch_usage_error(args)
+    if problem is not None:
+        args._launch_parser.error(problem)  # exits 2, as a bad flag does
+    missing = _missing_target(args.target, args.module)
+    if missing is not None:
+        print(f"anydevice launch: {missing}", file=sys.stderr)
+        return 1
+    bad_device = _bad_device_variable()
+    if bad_device is not None:
+        print(f"anydevice launch: {bad_device}", file=sys.stderr)
+        return 2
 
     from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError

@@ -312,6 +312,52 @@ class Inventory:
         devices = ", ".join(d.spec for d in self.devices)
         return f"Inventory({self.host.hostname!r}: {devices})"
 
+    def __str__(self) -> str:
+        """The tables ``anydevice info`` shows, as plain text: what ``print(inv)`` prints.
+
+        The rendering is the CLI's (rich), loaded here rather than at ``import anydevice``.
+        """
+        import io
+        import shutil
+
+        from rich.console import Console
+
+        from anydevice.console import render_inventory
+
+        out = io.StringIO()
+        width = min(shutil.get_terminal_size((100, 24)).columns, 120)
+        console = Console(file=out, width=width, color_system=None, force_jupyter=False)
+        render_inventory(self, console)
+        return out.getvalue().rstrip("\n")
+
+    def _repr_html_(self) -> str:
+        """The same tables as HTML, which notebooks show for an inventory."""
+        from html import escape
+
+        from rich.text import Text
+
+        from anydevice.console import device_table, host_table
+
+        def plain(cell: object) -> str:
+            return cell.plain if isinstance(cell, Text) else str(cell)
+
+        def table(title: str, rows: Any) -> str:  # a rich Table of (label, value) rows
+            labels, values = (list(column.cells) for column in rows.columns)
+            body = "".join(
+                f"<tr><th style='text-align:left'>{escape(plain(k))}</th>"
+                f"<td style='text-align:left'>{escape(plain(v))}</td></tr>"
+                for k, v in zip(labels, values, strict=True)
+            )
+            caption = f"<caption style='text-align:left'><b>{escape(title)}</b></caption>"
+            return f"<table>{caption}{body}</table>"
+
+        parts = [table("host", host_table(self.host))]
+        for d in self.devices:
+            panel = device_table(d)
+            parts.append(table(Text.from_markup(str(panel.title)).plain, panel.renderable))
+        parts += [f"<p>note: {escape(note)}</p>" for note in self.notes]
+        return "<div>" + "".join(parts) + "</div>"
+
 
 def inventory(
     *, telemetry: bool = True, kinds: Iterable[str] | None = None, memory: bool = True

@@ -224,6 +224,12 @@ class DeviceLoader(Generic[T]):
         *,
         depth: int = 2,
     ) -> None:
+        if not hasattr(loader, "__iter__") and not hasattr(loader, "__getitem__"):
+            raise TypeError(
+                f"DeviceLoader's loader must be an iterable of batches (a DataLoader, a list "
+                f"of tensors, a generator), not {type(loader).__name__} ({loader!r}); pass "
+                "the loader first, then the device: ad.DeviceLoader(loader, device)"
+            )
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self.loader = loader

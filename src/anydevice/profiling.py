@@ -354,8 +354,9 @@ def _not_applicable() -> str | None:
 
     if not cuda_built():
         return (
-            f"no CUDA: this torch ({torch.__version__}) is a CPU-only build, and only CUDA "
-            "has a sync debug mode to detect implicit synchronisations with"
+            f"this torch ({torch.__version__}) is a CPU-only build; finding implicit "
+            "synchronisations takes CUDA's sync debug mode, so a CUDA build of torch and an "
+            "NVIDIA GPU"
         )
     if getattr(torch.version, "hip", None):
         return "no CUDA: torch's sync debug mode is not supported on ROCm"

@@ -142,10 +142,15 @@ def _check_kind(kind: str, spec: object, source: str) -> str:
     close = difflib.get_close_matches(kind, [*_KINDS, "tpu", *generic], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     origin = "" if source == "argument" else f" (from {source})"
+    registered = (
+        "".join(f"{g}[:i], " for g in generic)
+        if generic
+        else "<name>[:i] (the name an accelerator's backend registers with torch), "
+    )
+    tpu = "" if "tpu" in generic else "tpu[:i], "  # a backend named tpu is listed as such
     raise DeviceSpecError(
         f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        f"mps, xpu[:i], xla[:i], {''.join(g + '[:i], ' for g in generic)}free, an int, "
-        "or a torch.device."
+        f"mps, xpu[:i], xla[:i], {tpu}{registered}free, meta, an int, or a torch.device."
     )
 
 
@@ -444,7 +449,10 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
         DeviceSpecError: malformed spec.
     """
     parsed = _resolve_auto(spec)
-    need = None if need_memory is None else parse_size(need_memory)
+    try:
+        need = None if need_memory is None else parse_size(need_memory)
+    except (TypeError, DeviceSpecError) as e:
+        raise type(e)(f"need_memory={need_memory!r}: {e}") from None
     if need is None and parsed.kind in ("cpu", "meta"):
         return torch.device(parsed.kind)  # nothing to look up
     # Free memory is read only for the policies that compare it.

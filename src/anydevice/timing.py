@@ -432,6 +432,11 @@ def timeit(
         ValueError: a negative ``warmup``, ``min_time``, or a ``number``/``repeat`` below 1.
         DeviceNotFoundError: ``device`` names a device that is not here.
     """
+    if not callable(fn):
+        raise TypeError(
+            f"timeit's fn must be the function to time, not {type(fn).__name__} ({fn!r}); "
+            "pass it with its arguments, as in ad.timeit(model, x) or ad.timeit(torch.mm, a, b)"
+        )
     _check_counts(warmup=warmup, repeat=repeat, number=number, min_time=min_time)
     call: Callable[[], object] = functools.partial(fn, *args, **kwargs) if args or kwargs else fn
     found = None if device is not None else device_of_arguments(iter((*args, *kwargs.values())))
