@@ -29,6 +29,7 @@ from __future__ import annotations
 from anydevice.testing.simulator import (
     MIN_TORCH,
     SimulatorError,
+    Span,
     bandwidth,
     busy,
     enable,
@@ -36,11 +37,13 @@ from anydevice.testing.simulator import (
     parse_bandwidth,
     set_bandwidth,
     set_capacity,
+    trace,
 )
 
 __all__ = [
     "MIN_TORCH",
     "SimulatorError",
+    "Span",
     "bandwidth",
     "busy",
     "enable",
@@ -48,4 +51,5 @@ __all__ = [
     "parse_bandwidth",
     "set_bandwidth",
     "set_capacity",
+    "trace",
 ]

@@ -46,6 +46,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -135,6 +136,9 @@ class Stream {
         // A failed task is a failed kernel on a GPU: reported, and the stream goes on.
         fprintf(stderr, "anydevice simulator: a queued task failed: %s\n", e.what());
       }
+      // Drop what the task holds (the tensors of a copy) before it counts as done, so
+      // memory counters read after a synchronisation do not still include them.
+      task = nullptr;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         ++completed_;
@@ -185,6 +189,35 @@ void synchronize_device(c10::DeviceIndex device) {
 }
 
 // ---------------------------------------------------------------------------
+// A trace of the work the workers did (copies over the link, busy time), kept while
+// switched on, so tests can check ordering facts (what overlapped what) on the workers'
+// own clock rather than on wall-clock thresholds.
+
+struct Span {
+  std::string what;  // "h2d", "d2h" or "busy"
+  int device;
+  int64_t stream;
+  int64_t bytes;
+  double start, end;  // seconds on the steady clock (time.monotonic's clock on Linux)
+};
+
+std::atomic<bool> g_tracing{false};
+std::mutex g_trace_mutex;
+std::vector<Span> g_trace;
+
+double seconds_of(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+void trace(std::string what, int device, int64_t stream, int64_t bytes,
+           Clock::time_point start, Clock::time_point end) {
+  if (g_tracing.load()) {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    g_trace.push_back({std::move(what), device, stream, bytes, seconds_of(start), seconds_of(end)});
+  }
+}
+
+// ---------------------------------------------------------------------------
 // The link: one per device and direction, like a GPU's copy engines. Transfers in the
 // same direction share it (one after the other); each takes bytes / bandwidth.
 
@@ -199,21 +232,24 @@ Link& link_of(c10::DeviceIndex device, bool to_device) {
 }
 
 // Called by a stream's worker: sleeps for the transfer's time on the link.
-void cross_link(c10::DeviceIndex device, bool to_device, size_t bytes) {
+void cross_link(c10::DeviceIndex device, bool to_device, size_t bytes, int64_t stream) {
   const double bandwidth = g_bandwidth.load();
   if (bandwidth <= 0 || bytes == 0) {
+    const auto now = Clock::now();
+    trace(to_device ? "h2d" : "d2h", device, stream, bytes, now, now);
     return;
   }
   const auto seconds = std::chrono::duration<double>(static_cast<double>(bytes) / bandwidth);
-  Clock::time_point end;
+  Clock::time_point start, end;
   {
     Link& link = link_of(device, to_device);
     std::lock_guard<std::mutex> lock(link.mutex);
-    const auto start = std::max(Clock::now(), link.free_at);
+    start = std::max(Clock::now(), link.free_at);
     end = start + std::chrono::duration_cast<Clock::duration>(seconds);
     link.free_at = end;
   }
   std::this_thread::sleep_until(end);
+  trace(to_device ? "h2d" : "d2h", device, stream, bytes, start, end);
 }
 
 // ---------------------------------------------------------------------------
@@ -405,6 +441,9 @@ class PinnedMemory final : public c10::Allocator {
   c10::DataPtr allocate(size_t bytes) override {
     void* data = bytes > 0 ? c10::alloc_cpu(bytes) : nullptr;
     if (data != nullptr) {
+      // Poisoned too: a pinned buffer read before its device-to-host copy landed shows
+      // NaN, where a reused buffer on a GPU shows an older batch.
+      std::memset(data, 0xFF, bytes);
       std::lock_guard<std::mutex> lock(mutex_);
       blocks_[reinterpret_cast<uintptr_t>(data)] = bytes;
     }
@@ -784,7 +823,10 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
     if (src.device().index() != device) {
       current_stream(src.device().index()).synchronize();  // across devices: src done first
     }
-    current_stream(device).enqueue([src, dst] { host_alias(dst).copy_(host_alias(src)); });
+    current_stream(device).enqueue([src, dst] {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      host_alias(dst).copy_(host_alias(src));
+    });
     return dst;
   }
   TORCH_CHECK(from_device || to_device, "anydevice simulator: a copy with no device side");
@@ -793,11 +835,13 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
               host.device());
   const auto device = from_device ? src.device().index() : dst.device().index();
   const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
-  Stream& stream = current_stream(device);
+  const c10::StreamId stream_id = t_stream[device];
+  Stream& stream = stream_of(device, stream_id);
   // The task holds both tensors, so their memory outlives the copy even when the caller
   // drops them at once (as torch's pinned host allocator does by recording an event).
-  const int64_t ticket = stream.enqueue([src, dst, device, to_device, bytes] {
-    cross_link(device, to_device, bytes);
+  const int64_t ticket = stream.enqueue([src, dst, device, to_device, bytes, stream_id] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    cross_link(device, to_device, bytes, stream_id);
     // The bytes land at the end of the transfer: a reader that did not wait sees the
     // poison, or the values from before.
     if (to_device) {
@@ -1025,8 +1069,12 @@ void set_device_count(int n) {
 // as a kernel launch does on a GPU.
 void busy(double seconds, int device) {
   const auto index = static_cast<c10::DeviceIndex>(device < 0 ? t_device : device);
-  current_stream(index).enqueue([seconds] {
-    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  const c10::StreamId id = t_stream[index];
+  stream_of(index, id).enqueue([seconds, index, id] {
+    const auto start = Clock::now();
+    std::this_thread::sleep_until(
+        start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds)));
+    trace("busy", index, id, 0, start, Clock::now());
   });
 }
 
@@ -1042,4 +1090,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_capacity", [](int64_t c) { g_capacity = c; });
   m.def("capacity", [] { return g_capacity.load(); });
   m.def("busy", &busy, py::arg("seconds"), py::arg("device") = -1);
+  m.def("set_tracing", [](bool on) { g_tracing = on; });
+  m.def("take_trace", [] {
+    std::lock_guard<std::mutex> lock(g_trace_mutex);
+    py::list out;
+    for (const auto& s : g_trace) {
+      out.append(py::make_tuple(s.what, s.device, s.stream, s.bytes, s.start, s.end));
+    }
+    g_trace.clear();
+    return out;
+  });
 }

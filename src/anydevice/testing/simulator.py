@@ -36,9 +36,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.errors import AnydeviceError, DeviceSpecError
 
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_TORCH",
     "SimulatorError",
+    "Span",
     "bandwidth",
     "busy",
     "enable",
@@ -55,6 +58,7 @@ __all__ = [
     "parse_bandwidth",
     "set_bandwidth",
     "set_capacity",
+    "trace",
 ]
 
 logger = logging.getLogger("anydevice")
@@ -199,18 +203,22 @@ def _device_module(name: str, lib: Any) -> ModuleType:
     def device_count() -> int:
         return int(lib.device_count())
 
+    def _index(device: Any) -> int:
+        if device is None:
+            return int(torch.accelerator.current_device_index())
+        if isinstance(device, int):
+            return device
+        d = torch.device(device)
+        return int(torch.accelerator.current_device_index() if d.index is None else d.index)
+
     def synchronize(device: Any = None) -> None:
-        index = None if device is None else torch.device(name, 0 if device == name else device)
-        torch.accelerator.synchronize(index)
+        torch.accelerator.synchronize(_index(device))
 
     def get_device_name(device: Any = None) -> str:
         return f"anydevice simulated accelerator ({lib.bandwidth() / 1e9:g} GB/s link)"
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        index = torch.accelerator.current_device_index() if device is None else device
-        if isinstance(index, torch.device):
-            index = index.index or 0
-        free, total = torch.accelerator.get_memory_info(index)
+        free, total = torch.accelerator.get_memory_info(_index(device))
         return int(free), int(total)
 
     attrs: dict[str, Any] = {
@@ -358,3 +366,34 @@ def busy(seconds: float, device: int | None = None) -> None:
     if not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
         raise DeviceSpecError(f"seconds={seconds!r} must be a finite number >= 0")
     _library().busy(float(seconds), -1 if device is None else int(device))
+
+
+class Span(NamedTuple):
+    """A piece of work a stream's worker did: a copy over the link or busy time."""
+
+    what: str  #: "h2d" (host to device), "d2h" (device to host) or "busy"
+    device: int
+    stream: int  #: the stream's id (0: the device's default stream)
+    bytes: int  #: copied (0 for busy time)
+    start: float  #: seconds on the monotonic clock (``time.monotonic()``)
+    end: float
+
+
+@contextmanager
+def trace() -> Iterator[list[Span]]:
+    """Record the copies and busy time the workers run during the block.
+
+    The list yielded is filled when the block ends, in the order the work finished;
+    synchronise before the end to include work still queued. For ordering facts (the copy
+    of batch k+1 started before the compute of batch k ended) on the simulator's own
+    clock, not on wall-clock thresholds.
+    """
+    lib = _library()
+    lib.take_trace()
+    lib.set_tracing(True)
+    spans: list[Span] = []
+    try:
+        yield spans
+    finally:
+        lib.set_tracing(False)
+        spans.extend(Span(*s) for s in lib.take_trace())

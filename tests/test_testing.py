@@ -1,0 +1,112 @@
+"""``anydevice.testing``: the simulated accelerator.
+
+torch holds one privateuse1 backend per process, so the cases that enable the simulator
+(``tests/sim_cases.py``) run in a child pytest; this process keeps torch as it is and
+checks what holds without it: argument errors, a missing compiler, another backend in
+the slot.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anydevice import testing
+from anydevice.errors import DeviceSpecError
+from anydevice.extension import find_compiler, find_ninja
+
+CASES = Path(__file__).with_name("sim_cases.py")
+#: The first run builds the backend (about a minute on two busy cores); later runs load it.
+TIMEOUT = 600
+
+
+def _child(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
+        check=False,
+    )
+
+
+def _toolchain_or_skip() -> None:
+    if not find_compiler().found:
+        pytest.skip(f"no C++ compiler to build the simulator: {find_compiler().detail}")
+    if not find_ninja().found:
+        pytest.skip(f"no ninja to build the simulator: {find_ninja().detail}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sim", "simgpu"])
+def test_simulator_cases_in_a_child_process(name: str) -> None:
+    """The cases under two names; the second selects it through ANYDEVICE_DEVICE."""
+    _toolchain_or_skip()
+    env = {"ANYDEVICE_SIM_NAME": name}
+    if name != "sim":
+        env["ANYDEVICE_DEVICE"] = name
+    proc = _child(["-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider"], **env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "20 passed" in out, out
+
+
+def test_without_a_compiler_the_cases_skip_saying_so() -> None:
+    code = (
+        "import anydevice.testing as t\n"
+        "try:\n"
+        "    t.enable()\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    proc = _child(["-c", code], CXX="/nonexistent/c++")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ExtensionError No C++ compiler"), proc.stdout
+    assert "/nonexistent/c++" in proc.stdout
+
+
+def test_another_privateuse1_backend_keeps_the_slot() -> None:
+    code = (
+        "import torch\n"
+        "torch.utils.rename_privateuse1_backend('npu')\n"
+        "import anydevice.testing as t\n"
+        "try:\n"
+        "    t.enable()\n"
+        "except t.SimulatorError as e:\n"
+        "    print(e)\n"
+        "print(torch._C._get_privateuse1_backend_name())\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "already 'npu'" in proc.stdout and "stays off" in proc.stdout, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "npu"
+
+
+def test_bandwidth_is_read_or_refused_with_the_fix() -> None:
+    assert testing.parse_bandwidth("2GB/s") == 2e9
+    assert testing.parse_bandwidth(1e6) == 1e6
+    for bad in ("2GB", "fast/s", 0, -1.0, True):
+        with pytest.raises(DeviceSpecError, match="bandwidth"):
+            testing.parse_bandwidth(bad)  # type: ignore[arg-type]
+
+
+def test_enable_refuses_bad_arguments_before_building() -> None:
+    with pytest.raises(DeviceSpecError, match="name='Sim'"):
+        testing.enable("Sim")
+    with pytest.raises(DeviceSpecError, match="devices=0"):
+        testing.enable(devices=0)
+    with pytest.raises(DeviceSpecError, match="capacity='lots'"):
+        testing.enable(capacity="lots")
+    with pytest.raises(DeviceSpecError, match="'cuda' is a device type torch has"):
+        testing.enable("cuda")
+    assert testing.enabled() is None
+
+
+def test_settings_need_the_simulator() -> None:
+    with pytest.raises(testing.SimulatorError, match=r"anydevice.testing.enable\(\) first"):
+        testing.busy(0.1)
