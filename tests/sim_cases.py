@@ -280,8 +280,9 @@ def test_side_stream_waits_on_entry_and_on_exit(slow_link: None) -> None:
         assert s is not None and s != main
         b = a * 2  # entry wait: sees a
         c = src.to(dev(), non_blocking=True)  # queued on the side stream
-    assert (b.cpu() == 4.0).all()
+    # c first: reading b takes the link's time, long enough for c to land anyway.
     assert ((c * 1).cpu() == 2.0).all(), "exit wait: the current stream waited for c"
+    assert (b.cpu() == 4.0).all(), "entry wait: the side stream waited for a"
 
 
 def test_to_non_blocking(slow_link: None) -> None:
