@@ -15,6 +15,7 @@ Copies are made slow (a slow link, megabytes) and compute is simulated device ti
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -338,3 +339,63 @@ def test_enabling_again_changes_settings_not_the_backend() -> None:
         testing.enable("other")
     with pytest.raises(testing.SimulatorError, match="fixed once"):
         testing.enable(NAME, devices=2)
+
+
+class _MakesATensorWithoutDevice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mix = torch.eye(4)  # the bug: no device=, so it is made on the host
+        return self.proj(x) @ mix
+
+
+def test_a_tensor_made_in_forward_without_device_fails_naming_the_module() -> None:
+    import anydevice as ad
+
+    model = _MakesATensorWithoutDevice().to(dev())
+    x = torch.randn(2, 4, device=dev())
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        model(x)  # plain torch on this device: refused, as on a GPU
+    with (
+        pytest.raises(ad.DeviceMismatchError, match="_MakesATensorWithoutDevice") as e,
+        ad.diagnose(model),
+    ):
+        model(x)
+    assert NAME in str(e.value) and "cpu" in str(e.value)
+    assert torch.equal((x * torch.tensor(2.0)).cpu(), x.cpu() * 2), "a 0-dim host scalar is fine"
+    host = torch.ones(2, 4)
+    for name, op in {
+        "cat": lambda: torch.cat([x, host]),
+        "where": lambda: torch.where(x > 0, x, host),
+        "index_select": lambda: x.index_select(0, torch.tensor([1])),
+    }.items():
+        with pytest.raises(RuntimeError, match="on the same device"):
+            op()
+            pytest.fail(f"{name} ran with a host tensor")
+
+
+def test_memory_readings_and_fit_batch_size_against_the_capacity() -> None:
+    import anydevice as ad
+    from anydevice import testing
+
+    torch.accelerator.synchronize()
+    gc.collect()
+    base = torch.accelerator.memory_allocated(0)
+    stats = ad.memory(NAME)
+    assert stats.allocated == base and stats.reserved == base
+    testing.set_capacity(base + 64 * 2**20)  # 64 MiB free
+
+    def step(batch_size: int) -> None:
+        x = torch.empty(batch_size, 2**20, device=dev())  # 4 MiB per sample
+        (x * 2).sum()  # a temporary as large again
+
+    try:
+        free, total = torch.accelerator.get_memory_info(0)
+        assert total == base + 64 * 2**20
+        assert free == total - torch.accelerator.memory_allocated(0)
+        best = ad.fit_batch_size(step, start=1, device=NAME)
+    finally:
+        testing.set_capacity(None)
+    assert best in (7, 8), best  # 2 * 4 MiB * n <= 64 MiB, plus the sum's output

@@ -927,6 +927,39 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return alias;
   };
 
+  // Tensors on two devices: refused with torch's words, as a GPU kernel refuses them. A
+  // 0-dim CPU tensor passes (torch takes it as a scalar), and so do CPU tensors inside
+  // optional-tensor lists (index's indices may stay on the host).
+  std::optional<c10::Device> on_device, on_host;
+  std::string host_arg;
+  auto note = [&](const at::Tensor& t, const std::string& arg_name) {
+    if (!t.defined()) {
+      return;
+    }
+    if (t.device().type() == kDev) {
+      on_device = on_device.has_value() ? on_device : t.device();
+    } else if (t.dim() > 0 && !on_host.has_value()) {
+      on_host = t.device();
+      host_arg = arg_name;
+    }
+  };
+  for (size_t i = first; i < stack->size(); ++i) {
+    const c10::IValue& arg = (*stack)[i];
+    const std::string& arg_name = schema.arguments()[i - first].name();
+    if (arg.isTensor()) {
+      note(arg.toTensor(), arg_name);
+    } else if (arg.isTensorList()) {
+      for (const at::Tensor& t : arg.toTensorList().vec()) {
+        note(t, arg_name);
+      }
+    }
+  }
+  TORCH_CHECK(!on_device.has_value() || !on_host.has_value(),
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              on_device.value_or(c10::Device(kDev, 0)), " and ",
+              on_host.value_or(c10::Device(c10::kCPU)), "! (argument '", host_arg, "' of ",
+              schema.operator_name(), " is on the host; anydevice's simulated accelerator)");
+
   for (size_t i = first; i < stack->size(); ++i) {
     c10::IValue& arg = (*stack)[i];
     if (arg.isTensor()) {
