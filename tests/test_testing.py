@@ -110,3 +110,20 @@ def test_enable_refuses_bad_arguments_before_building() -> None:
 def test_settings_need_the_simulator() -> None:
     with pytest.raises(testing.SimulatorError, match=r"anydevice.testing.enable\(\) first"):
         testing.busy(0.1)
+
+
+@pytest.mark.slow
+def test_the_pytest_fixture_in_a_users_suite(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["anydevice.testing.pytest_plugin"]\n')
+    (tmp_path / "test_user.py").write_text(
+        "import torch\n"
+        "import anydevice as ad\n\n"
+        "def test_on_the_simulator(sim_device):\n"
+        "    assert sim_device == torch.device('sim', 0) == ad.device('sim')\n"
+        "    x = torch.full((4,), 2.0).pin_memory().to(sim_device, non_blocking=True)\n"
+        "    assert (x * 3).cpu().tolist() == [6.0] * 4\n"
+    )
+    proc = _child(["-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in out, out
