@@ -127,3 +127,29 @@ def test_the_pytest_fixture_in_a_users_suite(tmp_path: Path) -> None:
     proc = _child(["-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "1 passed" in out, out
+
+
+#: Device-agnostic examples, and the lines of their output that must match the CPU's.
+EXAMPLES = {
+    "inference": (["inference.py", "--tiny"], r"accuracy [0-9.]+"),
+    "preprocess": (["preprocess_pipeline.py", "--tiny"], r"mean loss [0-9.]+"),
+    "dqn": (["dqn_cartpole.py", "--tiny"], r"mean return of the last \d+ [0-9.]+"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
+    import re
+
+    _toolchain_or_skip()
+    argv, pattern = EXAMPLES[name]
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    script = [str(folder / argv[0]), *argv[1:]]
+    cpu = _child(script, ANYDEVICE_DEVICE="cpu")
+    sim = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    assert cpu.returncode == 0, cpu.stderr
+    assert sim.returncode == 0, sim.stderr
+    assert "sim:0" in sim.stdout, sim.stdout
+    expected = re.findall(pattern, cpu.stdout)
+    assert expected and re.findall(pattern, sim.stdout) == expected, (cpu.stdout, sim.stdout)

@@ -905,6 +905,7 @@ struct Swapped {
   at::Tensor host;  // its host alias, given to the CPU kernel
 };
 
+// Runs `op`'s CPU kernel; the stack holds `op`'s arguments.
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
@@ -1059,7 +1060,29 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// Convolutions: torch sends a backend other than the CPU and CUDA to the "overrideable"
+// ops, which have no CPU kernel. Their arguments are those of the generic ops (the
+// backward lacks bias_sizes, which may be None), so the host runs the generic ones.
+void convolution_on_host(const c10::OperatorHandle& /*op*/, torch::jit::Stack* stack) {
+  static const auto target =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution", "");
+  run_on_host(target, stack);
+}
+
+void convolution_backward_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const auto target =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::convolution_backward", "");
+  const size_t first = stack->size() - op.schema().arguments().size();
+  // (grad_output, input, weight, [bias_sizes], stride, padding, ...)
+  stack->insert(stack->begin() + static_cast<std::ptrdiff_t>(first + 3), c10::IValue());
+  run_on_host(target, stack);
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&convolution_on_host>());
+  m.impl("convolution_backward_overrideable",
+         torch::CppFunction::makeFromBoxedFunction<&convolution_backward_on_host>());
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", as_strided);
@@ -1071,6 +1094,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", set_tensor);
   m.impl("set_.source_Storage", set_storage);
   m.impl("set_.source_Storage_storage_offset", set_storage_offset);
+}
+
+// torch.autocast on this device runs, and casts nothing: ops keep their dtypes (the
+// simulator models no reduced-precision units).
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

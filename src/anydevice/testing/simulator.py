@@ -221,7 +221,22 @@ def _device_module(name: str, lib: Any) -> ModuleType:
         free, total = torch.accelerator.get_memory_info(_index(device))
         return int(free), int(total)
 
+    class device:  # torch.<backend>.device(i), a context manager, by torch's name
+        """Make a device the current one inside a ``with`` block."""
+
+        def __init__(self, device: Any) -> None:
+            self.index = _index(device)
+            self.previous = 0
+
+        def __enter__(self) -> None:
+            self.previous = int(torch.accelerator.current_device_index())
+            torch.accelerator.set_device_index(self.index)
+
+        def __exit__(self, *exc: object) -> None:
+            torch.accelerator.set_device_index(self.previous)
+
     attrs: dict[str, Any] = {
+        "device": device,
         "is_available": lambda: True,
         "device_count": device_count,
         "current_device": torch.accelerator.current_device_index,
@@ -230,6 +245,8 @@ def _device_module(name: str, lib: Any) -> ModuleType:
         "get_device_name": get_device_name,
         "mem_get_info": mem_get_info,
         "is_initialized": lambda: True,
+        # torch.autocast asks this of a privateuse1 module; the host's kernels take both.
+        "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
         # torch.manual_seed asks these of a privateuse1 module. Kernels run on the host
         # with the CPU's generator, which torch.manual_seed already seeds.
         "_is_in_bad_fork": lambda: False,
