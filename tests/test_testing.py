@@ -153,3 +153,17 @@ def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
     assert "sim:0" in sim.stdout, sim.stdout
     expected = re.findall(pattern, cpu.stdout)
     assert expected and re.findall(pattern, sim.stdout) == expected, (cpu.stdout, sim.stdout)
+
+
+@pytest.mark.slow
+def test_the_readme_example_shows_the_bug_and_the_fix() -> None:
+    import re
+
+    _toolchain_or_skip()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Test your GPU code without a GPU") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert code is not None
+    proc = _child(["-c", code.group(1)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["tensor([nan, nan, nan])", "tensor([2., 2., 2., 2.])"]
