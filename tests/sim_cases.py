@@ -399,3 +399,15 @@ def test_memory_readings_and_fit_batch_size_against_the_capacity() -> None:
     finally:
         testing.set_capacity(None)
     assert best in (7, 8), best  # 2 * 4 MiB * n <= 64 MiB, plus the sum's output
+
+
+def test_losses_match_the_cpu_without_warnings() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    for loss in (torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warned of resizing an output before
+            on = loss(a.to(dev()), b.to(dev()))
+        assert on.device == dev() and torch.allclose(on.cpu(), loss(a, b))

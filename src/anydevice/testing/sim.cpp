@@ -1083,6 +1083,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
          torch::CppFunction::makeFromBoxedFunction<&convolution_on_host>());
   m.impl("convolution_backward_overrideable",
          torch::CppFunction::makeFromBoxedFunction<&convolution_backward_on_host>());
+  // These two have a composite kernel for other backends that hands their out= kernel
+  // a 0-dim output, which torch's CPU kernel resizes with a deprecation warning: the
+  // host runs the CPU's own kernel for the whole op instead.
+  m.impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
+  m.impl("smooth_l1_loss", torch::CppFunction::makeFromBoxedFunction<&run_on_host>());
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("as_strided", as_strided);
