@@ -167,3 +167,22 @@ def test_the_readme_example_shows_the_bug_and_the_fix() -> None:
     proc = _child(["-c", code.group(1)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["tensor([nan, nan, nan])", "tensor([2., 2., 2., 2.])"]
+
+
+@pytest.mark.slow
+def test_two_devices() -> None:
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice as ad, anydevice.testing as t\n"
+        "t.enable(devices=2)\n"
+        "x = torch.arange(4.0).to('sim:1')\n"
+        "y = x.to('sim:0') * 2\n"
+        "print(torch.accelerator.device_count(), x.device, y.device, y.cpu().tolist())\n"
+        "print([d.spec for d in ad.inventory().of_kind('sim')])\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "2 sim:1 sim:0 [0.0, 2.0, 4.0, 6.0]",
+        "['sim:0', 'sim:1']",
+    ], proc.stdout
