@@ -308,6 +308,18 @@ def test_timeit_and_timer_wait_for_the_device() -> None:
     assert min(result.times) >= 0.01 * 0.99
 
 
+def test_throughput_reads_the_devices_time() -> None:
+    import anydevice as ad
+    from anydevice import testing
+
+    meter = ad.Throughput(samples_per_step=8, device=NAME, peak=None)
+    for _ in range(4):
+        testing.busy(0.02)  # returns at once: a host clock would see ~0 per step
+        meter.step()
+    stats = meter.compute()
+    assert stats.steps == 3 and stats.step_time >= 0.02 * 0.99, stats
+
+
 # --- selected like any accelerator ----------------------------------------------------------
 
 
