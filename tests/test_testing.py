@@ -186,3 +186,18 @@ def test_two_devices() -> None:
         "2 sim:1 sim:0 [0.0, 2.0, 4.0, 6.0]",
         "['sim:0', 'sim:1']",
     ], proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv", [["which_device.py"], ["device_tour.py"], ["amp_recipe.py"]], ids=lambda a: a[0]
+)
+def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
+    """These print device facts or autocast numbers (the simulator casts nothing), so they
+    are checked for running on it, not for the CPU's numbers."""
+    _toolchain_or_skip()
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    script = [str(folder / argv[0]), *argv[1:]]
+    proc = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    assert proc.returncode == 0, proc.stderr
+    assert "sim:0" in proc.stdout, proc.stdout
