@@ -35,7 +35,19 @@ def _child(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _torch_or_skip() -> None:
+    import torch
+
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if version < testing.MIN_TORCH:
+        pytest.skip(
+            f"the simulator needs torch >= {'.'.join(map(str, testing.MIN_TORCH))}; this is "
+            f"torch {torch.__version__}"
+        )
+
+
 def _toolchain_or_skip() -> None:
+    _torch_or_skip()
     if not find_compiler().found:
         pytest.skip(f"no C++ compiler to build the simulator: {find_compiler().detail}")
     if not find_ninja().found:
@@ -57,6 +69,7 @@ def test_simulator_cases_in_a_child_process(name: str) -> None:
 
 
 def test_without_a_compiler_the_cases_skip_saying_so() -> None:
+    _torch_or_skip()
     code = (
         "import anydevice.testing as t\n"
         "try:\n"
@@ -71,6 +84,7 @@ def test_without_a_compiler_the_cases_skip_saying_so() -> None:
 
 
 def test_another_privateuse1_backend_keeps_the_slot() -> None:
+    _torch_or_skip()
     code = (
         "import torch\n"
         "torch.utils.rename_privateuse1_backend('npu')\n"
