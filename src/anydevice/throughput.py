@@ -330,10 +330,11 @@ class Throughput:
     """A training-loop meter: samples/s, tokens/s, TFLOP/s and MFU over a sliding window.
 
     Call :meth:`step` once per iteration, after the step's work is queued; call
-    :meth:`compute` when you log. On CUDA (and XPU, MPS) :meth:`step` records a timing
-    event on the current stream and returns at once, so the meter adds no synchronisation
-    to the loop: only :meth:`compute` waits, for the newest event, and reads the elapsed
-    device time between the oldest and newest event in the window. On the CPU the work is
+    :meth:`compute` when you log. On CUDA (XPU, MPS, and any accelerator whose events
+    time) :meth:`step` records a timing event on the current stream and returns at once,
+    so the meter adds no synchronisation to the loop: only :meth:`compute` waits, for the
+    newest event, and reads the elapsed device time between the oldest and newest event in
+    the window. On the CPU the work is
     done when :meth:`step` is called, and it reads ``time.perf_counter``.
 
     When a ``torch.distributed`` process group with more than one rank is initialised,
@@ -615,4 +616,8 @@ def _event_class(device: torch.device) -> Any:
         return torch.xpu.Event
     if device.type == "mps":
         return torch.mps.event.Event
+    from anydevice.clocks import _event_stream
+
+    if _event_stream(device) is not None:  # another accelerator whose events time work
+        return torch.Event
     return None

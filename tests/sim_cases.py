@@ -1,0 +1,425 @@
+"""Cases run on the simulated accelerator (``anydevice.testing``), in a process of their own.
+
+torch holds one privateuse1 backend per process, and the simulator is one, so
+``tests/test_testing.py`` runs this file in a child pytest; nothing is registered when
+this file is imported (the main pytest imports it for its doctests).
+
+The hazard cases write each classic ordering bug with plain torch and assert that the
+simulator shows it (poisoned or stale values), then write the fix and assert it is right.
+The anydevice cases run the same traffic through ``DeviceLoader``, ``side_stream``,
+``ad.to`` and the timers, and assert the values are right with no extra wait.
+
+Copies are made slow (a slow link, megabytes) and compute is simulated device time
+(``busy``), so that a read that does not wait comes long before the data lands.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+NAME = os.environ.get("ANYDEVICE_SIM_NAME", "sim")
+N = 2**20  # floats: 4 MiB, 0.4 s over the test link below
+SLOW = "10MB/s"
+
+
+def dev() -> torch.device:
+    return torch.device(NAME, 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sim() -> torch.device:
+    """Enables the simulator, for good: only in the child process, never on import."""
+    from anydevice.errors import ExtensionError
+    from anydevice.testing import SimulatorError, enable
+
+    try:
+        return enable(NAME, bandwidth="2GB/s")
+    except (ExtensionError, SimulatorError) as e:
+        pytest.skip(f"the simulated accelerator is not available here: {e}")
+
+
+@pytest.fixture
+def slow_link() -> Iterator[None]:
+    """A link slow enough that a read that does not wait lands long before the data."""
+    from anydevice import testing
+
+    testing.set_bandwidth(SLOW)
+    try:
+        yield
+    finally:
+        torch.accelerator.synchronize()
+        testing.set_bandwidth("2GB/s")
+
+
+def pinned(value: float, n: int = N) -> torch.Tensor:
+    return torch.full((n,), value).pin_memory()
+
+
+# --- the device itself ---------------------------------------------------------------
+
+
+def test_memory_starts_poisoned() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert torch.isnan(torch.empty(8, dtype=dtype, device=dev()).cpu()).all(), dtype
+    assert (torch.empty(8, dtype=torch.int32, device=dev()).cpu() == -1).all()
+    assert torch.empty(8, dtype=torch.bool, device=dev()).cpu().all()
+
+
+def test_kernels_give_the_cpus_results() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    w = torch.randn(4, 8)
+    on = torch.nn.functional.linear(x.to(dev()), w.to(dev())).softmax(-1)
+    assert on.device == dev()
+    assert torch.allclose(on.cpu(), torch.nn.functional.linear(x, w).softmax(-1))
+    v = x.to(dev())
+    assert torch.equal(v.t().contiguous().cpu(), x.t().contiguous())
+    assert torch.equal(v[2:5, ::3].cpu(), x[2:5, ::3])
+    assert torch.equal(torch.cat([v, v]).cpu(), torch.cat([x, x]))
+    assert v.sum().item() == pytest.approx(x.sum().item(), rel=1e-5)
+    out = torch.empty(0, device=dev())
+    torch.add(v, 1, out=out)  # an out= kernel that resizes its output
+    assert torch.equal(out.cpu(), x + 1)
+
+
+def test_pinned_memory_and_the_tensor_methods() -> None:
+    assert pinned(1.0, 4).is_pinned() and not torch.ones(4).is_pinned()
+    t = torch.ones(3)
+    moved = getattr(t, NAME)()  # Tensor.sim(), made by torch for the backend
+    assert moved.device == dev() and getattr(moved, f"is_{NAME}")
+
+
+def test_a_pinned_non_blocking_copy_returns_before_it_lands(slow_link: None) -> None:
+    src = pinned(5.0)
+    stream = torch.accelerator.current_stream()
+    x = src.to(dev(), non_blocking=True)
+    assert not stream.query(), "queued, not done: the host did not wait"
+    stream.synchronize()
+    assert stream.query()
+    assert (x.cpu() == 5.0).all()
+
+
+def test_a_pageable_copy_completes_before_it_returns(slow_link: None) -> None:
+    stream = torch.accelerator.current_stream()
+    x = torch.full((N,), 4.0).to(dev(), non_blocking=True)  # pageable: as CUDA, waits
+    assert stream.query()
+    assert (x.cpu() == 4.0).all()
+
+
+def test_events_time_the_workers_clock_and_queue_waits() -> None:
+    from anydevice import testing
+
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    testing.busy(0.2)  # long enough that the host asks before the worker is through
+    end.record()
+    assert not end.query()
+    end.synchronize()
+    assert end.query()
+    assert start.elapsed_time(end) >= 200.0  # a sleep lasts at least as long as asked
+
+    side = torch.Stream(dev())
+    with side:
+        testing.busy(0.05)
+        done_on_side = torch.Event()
+        done_on_side.record()
+    main = torch.accelerator.current_stream()
+    main.wait_event(done_on_side)  # queued: the host goes on
+    after = torch.Event()
+    after.record()
+    after.synchronize()
+    assert done_on_side.query(), "the main stream waited for the side stream's event"
+
+
+def test_the_link_takes_bytes_over_bandwidth() -> None:
+    from anydevice import testing
+
+    src = pinned(1.0)
+    with testing.trace() as spans:
+        x = src.to(dev(), non_blocking=True)
+        x.to("cpu")
+        torch.accelerator.synchronize()
+    h2d, d2h = (s for s in spans if s.what in ("h2d", "d2h"))
+    assert (h2d.what, d2h.what) == ("h2d", "d2h") and h2d.bytes == d2h.bytes == 4 * N
+    assert h2d.end - h2d.start >= 4 * N / 2e9 * 0.99
+    assert d2h.start >= h2d.end  # ordered on one stream
+
+
+def test_counters_and_capacity() -> None:
+    from anydevice import testing
+
+    torch.accelerator.synchronize()
+    before = torch.accelerator.memory_allocated(0)
+    torch.accelerator.reset_peak_memory_stats(0)
+    x = torch.empty(2**20, device=dev())
+    assert torch.accelerator.memory_allocated(0) == before + 4 * 2**20
+    del x
+    assert torch.accelerator.memory_allocated(0) == before
+    assert torch.accelerator.max_memory_allocated(0) == before + 4 * 2**20
+    testing.set_capacity(before + 2**20)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+            torch.empty(2**20, device=dev())
+        torch.empty(2**10, device=dev())  # within it
+    finally:
+        testing.set_capacity(None)
+
+
+# --- hazards, written with plain torch: the simulator shows each -------------------------
+
+
+def test_hazard_reading_a_copy_made_on_another_stream_without_waiting(slow_link: None) -> None:
+    src = pinned(7.0)
+    copier = torch.Stream(dev())
+    with copier:
+        x = src.to(dev(), non_blocking=True)
+    bad = (x * 1).cpu()  # the current stream never waited for the copier
+    assert torch.isnan(bad).all(), "read before the copy landed: poison"
+
+    with copier:
+        y = src.to(dev(), non_blocking=True)
+        copied = torch.Event()
+        copied.record()
+    torch.accelerator.current_stream().wait_event(copied)  # the fix
+    assert ((y * 1).cpu() == 7.0).all()
+
+
+def test_hazard_reading_a_non_blocking_copy_to_the_host_before_synchronising(
+    slow_link: None,
+) -> None:
+    x = torch.full((N,), 3.0, device=dev())
+    out = torch.zeros(N).pin_memory()
+    out.copy_(x, non_blocking=True)
+    assert (out == 0).all(), "read before the copy landed: the old values"
+    torch.accelerator.synchronize()
+    assert (out == 3.0).all()
+
+    early = x.to("cpu", non_blocking=True)  # torch gives a pinned buffer: not yet written
+    assert early.is_pinned() and torch.isnan(early).all()
+    torch.accelerator.synchronize()
+    assert (early == 3.0).all()
+
+
+def test_hazard_a_side_stream_that_never_waited(slow_link: None) -> None:
+    src = pinned(2.0)
+    a = src.to(dev(), non_blocking=True)  # queued on the current stream
+    side = torch.Stream(dev())
+    with side:
+        b = a * 2  # the side stream did not wait for the current one
+    assert torch.isnan(b.cpu()).all()
+
+    a = src.to(dev(), non_blocking=True)
+    side.wait_stream(torch.accelerator.current_stream())  # the fix
+    with side:
+        b = a * 2
+    torch.accelerator.current_stream().wait_stream(side)
+    assert (b.cpu() == 4.0).all()
+
+
+def test_hazard_timing_without_synchronising() -> None:
+    from anydevice import testing
+
+    t0 = time.perf_counter()
+    testing.busy(0.3)
+    unsynced = time.perf_counter() - t0
+    torch.accelerator.synchronize()
+    synced = time.perf_counter() - t0
+    assert unsynced < 0.3 <= synced, "a host clock without a sync times the launch only"
+
+
+# --- the same traffic through anydevice: right without any extra wait --------------------
+
+
+def test_device_loader_batches_are_ready_when_yielded(slow_link: None) -> None:
+    import anydevice as ad
+
+    batches = [torch.full((N // 4,), float(i)) for i in range(4)]
+    loader = ad.DeviceLoader(batches, NAME)
+    for i, x in enumerate(loader):
+        assert x.device == dev()
+        got = (x * 1).cpu()  # a kernel on the consumer's stream, straight away
+        assert not torch.isnan(got).any() and (got == float(i)).all(), i
+
+
+def test_device_loader_copies_the_next_batch_while_this_one_computes() -> None:
+    """An ordering fact on the simulator's clock: the copy of batch k+1 starts before the
+    compute of batch k ends (the loader overlaps them); no wall-clock threshold."""
+    import anydevice as ad
+    from anydevice import testing
+
+    testing.set_bandwidth(4 * N / 0.02)  # 20 ms per batch
+    try:
+        batches = [torch.full((N,), float(i)) for i in range(5)]
+        with testing.trace() as spans:
+            for x in ad.DeviceLoader(batches, NAME):
+                testing.busy(0.02)  # 20 ms of compute on the consumer's stream
+                _ = x * 1
+            torch.accelerator.synchronize()
+    finally:
+        testing.set_bandwidth("2GB/s")
+    copies = sorted((s for s in spans if s.what == "h2d"), key=lambda s: s.start)
+    computes = sorted((s for s in spans if s.what == "busy"), key=lambda s: s.start)
+    assert len(copies) == 5 and len(computes) == 5
+    assert all(c.stream != 0 for c in copies), "copies run on a stream of their own"
+    overlapped = [copies[k + 1].start < computes[k].end for k in range(4)]
+    assert all(overlapped), (overlapped, copies, computes)
+
+
+def test_side_stream_waits_on_entry_and_on_exit(slow_link: None) -> None:
+    import anydevice as ad
+
+    src = pinned(2.0)
+    a = src.to(dev(), non_blocking=True)  # queued on the current stream
+    main = torch.accelerator.current_stream()
+    with ad.side_stream(NAME) as s:
+        assert s is not None and s != main
+        b = a * 2  # entry wait: sees a
+        c = src.to(dev(), non_blocking=True)  # queued on the side stream
+    # c first: reading b takes the link's time, long enough for c to land anyway.
+    assert ((c * 1).cpu() == 2.0).all(), "exit wait: the current stream waited for c"
+    assert (b.cpu() == 4.0).all(), "entry wait: the side stream waited for a"
+
+
+def test_to_non_blocking(slow_link: None) -> None:
+    import anydevice as ad
+
+    src = {"x": pinned(6.0)}
+    moved = ad.to(src, NAME, non_blocking=True)
+    assert ((moved["x"] * 1).cpu() == 6.0).all()  # same stream: ordered
+    back = ad.to(moved, "cpu")  # "auto": a copy to the host stays blocking
+    assert (back["x"] == 6.0).all()
+
+
+def test_timeit_and_timer_wait_for_the_device() -> None:
+    import anydevice as ad
+    from anydevice import testing
+
+    timer = ad.Timer(NAME)
+    with timer:
+        testing.busy(0.05)
+    assert timer.elapsed >= 0.05
+    result = ad.timeit(testing.busy, 0.01, device=NAME, warmup=1, repeat=3, number=2)
+    assert min(result.times) >= 0.01 * 0.99
+
+
+def test_throughput_reads_the_devices_time() -> None:
+    import anydevice as ad
+    from anydevice import testing
+
+    meter = ad.Throughput(samples_per_step=8, device=NAME, peak=None)
+    for _ in range(4):
+        testing.busy(0.02)  # returns at once: a host clock would see ~0 per step
+        meter.step()
+    stats = meter.compute()
+    assert stats.steps == 3 and stats.step_time >= 0.02 * 0.99, stats
+
+
+# --- selected like any accelerator ----------------------------------------------------------
+
+
+def test_selected_like_any_accelerator() -> None:
+    import anydevice as ad
+
+    assert ad.device(NAME) == dev()
+    assert ad.device() == dev()  # auto: the accelerator torch has
+    (found,) = ad.inventory().of_kind(NAME)
+    assert found.torch_device == dev() and found.memory_total is not None
+
+
+def test_memory_and_its_peak() -> None:
+    import anydevice as ad
+
+    with ad.track_memory(NAME) as tracked:
+        x = torch.empty(2**20, device=dev())
+        del x
+    assert tracked.peak >= 4 * 2**20
+
+
+def test_enabling_again_changes_settings_not_the_backend() -> None:
+    from anydevice import testing
+
+    assert testing.enable(NAME, bandwidth="1GB/s") == dev()
+    assert testing.bandwidth() == 1e9
+    testing.set_bandwidth("2GB/s")
+    with pytest.raises(testing.SimulatorError, match="already enabled"):
+        testing.enable("other")
+    with pytest.raises(testing.SimulatorError, match="fixed once"):
+        testing.enable(NAME, devices=2)
+
+
+class _MakesATensorWithoutDevice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mix = torch.eye(4)  # the bug: no device=, so it is made on the host
+        return self.proj(x) @ mix
+
+
+def test_a_tensor_made_in_forward_without_device_fails_naming_the_module() -> None:
+    import anydevice as ad
+
+    model = _MakesATensorWithoutDevice().to(dev())
+    x = torch.randn(2, 4, device=dev())
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        model(x)  # plain torch on this device: refused, as on a GPU
+    with (
+        pytest.raises(ad.DeviceMismatchError, match="_MakesATensorWithoutDevice") as e,
+        ad.diagnose(model),
+    ):
+        model(x)
+    assert NAME in str(e.value) and "cpu" in str(e.value)
+    assert torch.equal((x * torch.tensor(2.0)).cpu(), x.cpu() * 2), "a 0-dim host scalar is fine"
+    host = torch.ones(2, 4)
+    for name, op in {
+        "cat": lambda: torch.cat([x, host]),
+        "where": lambda: torch.where(x > 0, x, host),
+        "index_select": lambda: x.index_select(0, torch.tensor([1])),
+    }.items():
+        with pytest.raises(RuntimeError, match="on the same device"):
+            op()
+            pytest.fail(f"{name} ran with a host tensor")
+
+
+def test_memory_readings_and_fit_batch_size_against_the_capacity() -> None:
+    import anydevice as ad
+    from anydevice import testing
+
+    torch.accelerator.synchronize()
+    gc.collect()
+    base = torch.accelerator.memory_allocated(0)
+    stats = ad.memory(NAME)
+    assert stats.allocated == base and stats.reserved == base
+    testing.set_capacity(base + 64 * 2**20)  # 64 MiB free
+
+    def step(batch_size: int) -> None:
+        x = torch.empty(batch_size, 2**20, device=dev())  # 4 MiB per sample
+        (x * 2).sum()  # a temporary as large again
+
+    try:
+        free, total = torch.accelerator.get_memory_info(0)
+        assert total == base + 64 * 2**20
+        assert free == total - torch.accelerator.memory_allocated(0)
+        best = ad.fit_batch_size(step, start=1, device=NAME)
+    finally:
+        testing.set_capacity(None)
+    assert best in (7, 8), best  # 2 * 4 MiB * n <= 64 MiB, plus the sum's output
+
+
+def test_losses_match_the_cpu_without_warnings() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    for loss in (torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch warned of resizing an output before
+            on = loss(a.to(dev()), b.to(dev()))
+        assert on.device == dev() and torch.allclose(on.cpu(), loss(a, b))

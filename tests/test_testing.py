@@ -1,0 +1,217 @@
+"""``anydevice.testing``: the simulated accelerator.
+
+torch holds one privateuse1 backend per process, so the cases that enable the simulator
+(``tests/sim_cases.py``) run in a child pytest; this process keeps torch as it is and
+checks what holds without it: argument errors, a missing compiler, another backend in
+the slot.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from anydevice import testing
+from anydevice.errors import DeviceSpecError
+from anydevice.extension import find_compiler, find_ninja
+
+CASES = Path(__file__).with_name("sim_cases.py")
+#: The first run builds the backend (about a minute on two busy cores); later runs load it.
+TIMEOUT = 600
+
+
+def _child(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
+        check=False,
+    )
+
+
+def _torch_or_skip() -> None:
+    import torch
+
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if version < testing.MIN_TORCH:
+        pytest.skip(
+            f"the simulator needs torch >= {'.'.join(map(str, testing.MIN_TORCH))}; this is "
+            f"torch {torch.__version__}"
+        )
+
+
+def _toolchain_or_skip() -> None:
+    _torch_or_skip()
+    if not find_compiler().found:
+        pytest.skip(f"no C++ compiler to build the simulator: {find_compiler().detail}")
+    if not find_ninja().found:
+        pytest.skip(f"no ninja to build the simulator: {find_ninja().detail}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sim", "simgpu"])
+def test_simulator_cases_in_a_child_process(name: str) -> None:
+    """The cases under two names; the second selects it through ANYDEVICE_DEVICE."""
+    _toolchain_or_skip()
+    env = {"ANYDEVICE_SIM_NAME": name}
+    if name != "sim":
+        env["ANYDEVICE_DEVICE"] = name
+    proc = _child(["-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider"], **env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "24 passed" in out, out
+
+
+def test_without_a_compiler_the_cases_skip_saying_so() -> None:
+    _torch_or_skip()
+    code = (
+        "import anydevice.testing as t\n"
+        "try:\n"
+        "    t.enable()\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e)\n"
+    )
+    proc = _child(["-c", code], CXX="/nonexistent/c++")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ExtensionError No C++ compiler"), proc.stdout
+    assert "/nonexistent/c++" in proc.stdout
+
+
+def test_another_privateuse1_backend_keeps_the_slot() -> None:
+    _torch_or_skip()
+    code = (
+        "import torch\n"
+        "torch.utils.rename_privateuse1_backend('npu')\n"
+        "import anydevice.testing as t\n"
+        "try:\n"
+        "    t.enable()\n"
+        "except t.SimulatorError as e:\n"
+        "    print(e)\n"
+        "print(torch._C._get_privateuse1_backend_name())\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "already 'npu'" in proc.stdout and "stays off" in proc.stdout, proc.stdout
+    assert proc.stdout.splitlines()[-1] == "npu"
+
+
+def test_bandwidth_is_read_or_refused_with_the_fix() -> None:
+    assert testing.parse_bandwidth("2GB/s") == 2e9
+    assert testing.parse_bandwidth(1e6) == 1e6
+    for bad in ("2GB", "fast/s", 0, -1.0, True):
+        with pytest.raises(DeviceSpecError, match="bandwidth"):
+            testing.parse_bandwidth(bad)  # type: ignore[arg-type]
+
+
+def test_enable_refuses_bad_arguments_before_building() -> None:
+    with pytest.raises(DeviceSpecError, match="name='Sim'"):
+        testing.enable("Sim")
+    with pytest.raises(DeviceSpecError, match="devices=0"):
+        testing.enable(devices=0)
+    with pytest.raises(DeviceSpecError, match="capacity='lots'"):
+        testing.enable(capacity="lots")
+    with pytest.raises(DeviceSpecError, match="'cuda' is a device type torch has"):
+        testing.enable("cuda")
+    assert testing.enabled() is None
+
+
+def test_settings_need_the_simulator() -> None:
+    with pytest.raises(testing.SimulatorError, match=r"anydevice.testing.enable\(\) first"):
+        testing.busy(0.1)
+
+
+@pytest.mark.slow
+def test_the_pytest_fixture_in_a_users_suite(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["anydevice.testing.pytest_plugin"]\n')
+    (tmp_path / "test_user.py").write_text(
+        "import torch\n"
+        "import anydevice as ad\n\n"
+        "def test_on_the_simulator(sim_device):\n"
+        "    assert sim_device == torch.device('sim', 0) == ad.device('sim')\n"
+        "    x = torch.full((4,), 2.0).pin_memory().to(sim_device, non_blocking=True)\n"
+        "    assert (x * 3).cpu().tolist() == [6.0] * 4\n"
+    )
+    proc = _child(["-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in out, out
+
+
+#: Device-agnostic examples, and the lines of their output that must match the CPU's.
+EXAMPLES = {
+    "inference": (["inference.py", "--tiny"], r"accuracy [0-9.]+"),
+    "preprocess": (["preprocess_pipeline.py", "--tiny"], r"mean loss [0-9.]+"),
+    "dqn": (["dqn_cartpole.py", "--tiny"], r"mean return of the last \d+ [0-9.]+"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
+    import re
+
+    _toolchain_or_skip()
+    argv, pattern = EXAMPLES[name]
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    script = [str(folder / argv[0]), *argv[1:]]
+    cpu = _child(script, ANYDEVICE_DEVICE="cpu")
+    sim = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    assert cpu.returncode == 0, cpu.stderr
+    assert sim.returncode == 0, sim.stderr
+    assert "sim:0" in sim.stdout, sim.stdout
+    expected = re.findall(pattern, cpu.stdout)
+    assert expected and re.findall(pattern, sim.stdout) == expected, (cpu.stdout, sim.stdout)
+
+
+@pytest.mark.slow
+def test_the_readme_example_shows_the_bug_and_the_fix() -> None:
+    import re
+
+    _toolchain_or_skip()
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Test your GPU code without a GPU") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S)
+    assert code is not None
+    proc = _child(["-c", code.group(1)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["tensor([nan, nan, nan])", "tensor([2., 2., 2., 2.])"]
+
+
+@pytest.mark.slow
+def test_two_devices() -> None:
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice as ad, anydevice.testing as t\n"
+        "t.enable(devices=2)\n"
+        "x = torch.arange(4.0).to('sim:1')\n"
+        "y = x.to('sim:0') * 2\n"
+        "print(torch.accelerator.device_count(), x.device, y.device, y.cpu().tolist())\n"
+        "print([d.spec for d in ad.inventory().of_kind('sim')])\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "2 sim:1 sim:0 [0.0, 2.0, 4.0, 6.0]",
+        "['sim:0', 'sim:1']",
+    ], proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "argv", [["which_device.py"], ["device_tour.py"], ["amp_recipe.py"]], ids=lambda a: a[0]
+)
+def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
+    """These print device facts or autocast numbers (the simulator casts nothing), so they
+    are checked for running on it, not for the CPU's numbers."""
+    _toolchain_or_skip()
+    folder = Path(__file__).resolve().parents[1] / "examples"
+    script = [str(folder / argv[0]), *argv[1:]]
+    proc = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    assert proc.returncode == 0, proc.stderr
+    assert "sim:0" in proc.stdout, proc.stdout
