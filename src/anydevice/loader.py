@@ -8,11 +8,13 @@ How the CUDA path keeps copies and compute overlapped *and* ordered:
    copy, pinning off it is what makes the copy asynchronous.
 2. Handing out batch k: the *consumer's stream* — the stream current when ``next()`` is
    called — waits on the event recorded after batch k's copy, so no kernel reads it early.
-3. Then batch k+1 is issued on the copy stream — if the background thread already holds
-   it: the consumer never waits for the lookahead (a source may make batch k+1 only after
-   the step used batch k, an RL rollout say), and a batch not ready yet is issued when the
-   loop asks for it (one per device for the whole process,
-   :func:`anydevice.streams.copy_stream`): it waits for the work queued so far on the
+3. Then batch k+1 is issued on the copy stream. A source with a length (a list, a
+   map-style DataLoader) makes it whatever the step does, so handing out batch k waits for
+   it if need be; from any other iterator it is issued only if the background thread
+   already holds it — a source may make batch k+1 only after the step used batch k (an RL
+   rollout, a queue the step feeds) — and otherwise when the loop asks for it. The copy
+   stream is one per device for the whole process
+   (:func:`anydevice.streams.copy_stream`); the copy waits for the work queued so far on the
    device's default stream, copies (``non_blocking``, from pinned memory), runs
    ``transform`` and records an event. The copy engine runs it while the GPU computes
    batch k — also when the host synchronises every step (``loss.item()``): the copy waits
@@ -485,6 +487,16 @@ class _Producer:
             )
 
 
+def _has_length(source: Iterable[Any]) -> bool:
+    """Whether ``source`` says how many batches it has (a DataLoader over an iterable
+    dataset without ``__len__`` raises ``TypeError``: it has none)."""
+    try:
+        len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 def _has_workers(source: Iterator[Any]) -> bool:
     """Whether ``source`` is a DataLoader iterator with worker processes."""
     return callable(getattr(source, "_shutdown_workers", None))
@@ -530,6 +542,11 @@ class _Pass:
         self.producer: _Producer | None = None
         if owner.prefetch:
             self.producer = _Producer(self.source, self.copier, owner.depth)
+        # A source with a length (a list, a map-style DataLoader) makes batch k+1 whatever
+        # the consumer does: handing out batch k may wait for it, so its copy always
+        # overlaps step k. Any other iterator may make it only after the step (a feedback
+        # loop): batch k+1 is then issued only if it is already there.
+        self.lookahead_waits = self.producer is not None and _has_length(owner.loader)
 
     # -- fetching on the host
 
@@ -639,10 +656,10 @@ class _Pass:
         elif self.xla and self.counters.batches:
             xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
         try:
-            # Batch k+1 starts moving while batch k computes, if the source has made it: a
-            # source may make it only after the consumer used batch k (a feedback loop), so
-            # this never waits; the next call fetches it then.
-            self._issue(block=False)
+            # Batch k+1 starts moving while batch k computes. A source without a length may
+            # make it only after the consumer used batch k (a feedback loop): then this
+            # never waits, and the next call fetches it.
+            self._issue(block=self.lookahead_waits)
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
         c = self.counters
