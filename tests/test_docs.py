@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +112,8 @@ for name, code in snippets:
         exec(compile(prelude, "<prelude>", "exec"), given)
         own = code.startswith(("import ", "from "))  # a program: its imports are its own
         if scope is None or not shared:
-            scope = {k: v for k, v in given.items() if not (own and k in ("torch", "nn", "ad", "Path"))}
+            mine = ("torch", "nn", "ad", "Path") if own else ()
+            scope = {k: v for k, v in given.items() if k not in mine}
         scope["__name__"] = "__main__"
         exec(compile(code, name, "exec"), scope)
     except BaseException:
