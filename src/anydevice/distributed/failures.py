@@ -191,8 +191,12 @@ def worker_failed(
     else:
         # The waiting ranks' errors decide the exit code, never a rank the launcher
         # stopped (its SIGTERM would read as 143, a signal the user sent).
+        # A waiting rank that raised may yet read as SIGTERMed: the launcher stops the
+        # others as soon as one has exited, maybe between its error record and its exit.
         waited = [f for f in failures if f.local_rank not in stopped] or failures
         first = min(waited, key=lambda f: (f.time, f.rank))
+        if first.exitcode == -signal.SIGTERM and (first.trace or first.message):
+            first = replace(first, exitcode=1)  # it raised: Python's exit code
         lines = _never_arrived(idle, failures)
     blamed = sorted(idle) if not own and idle else [first.rank]
     others = sorted(
