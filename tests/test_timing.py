@@ -7,6 +7,7 @@ check the plumbing; no test asserts how fast anything is.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import anydevice as ad
-from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time
+from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time, timeit
 
 
 class FakeClock:
@@ -314,3 +315,22 @@ def test_timer_misuse_says_what_to_do():
         t.start()
     with pytest.raises(ad.MeasurementError, match="no block"):
         ad.Timer().measurement()
+
+
+def test_a_keyword_both_timeit_and_the_function_take_is_refused_not_guessed():
+    """``ad.timeit(torch.ones, n, device=...)`` timed a CPU allocation labelled with the
+    device: ``device=`` went to timeit. Now it says whose it would be and how to pass it."""
+    with pytest.raises(TypeError, match=r"device= is timeit's own.*functools\.partial\(ones"):
+        timeit(torch.ones, 16, device="cpu", repeat=1, number=1)
+
+    def scaled(x, *, label="y"):
+        return x * 2
+
+    with pytest.raises(TypeError, match=r"label= is timeit's own"):
+        timeit(scaled, torch.ones(2), label="doubling", repeat=1, number=1)
+    # bound by a partial: no doubt whose it is, and timeit gets its own
+    m = timeit(functools.partial(torch.ones, device="cpu"), 16, device="cpu", repeat=1, number=1)
+    assert m.device == "cpu" and m.label == "ones"
+    # a function with **kwargs, or one that does not take the name, is not second-guessed
+    assert timeit(lambda **kw: kw, device="cpu", repeat=1, number=1).device == "cpu"
+    assert timeit(torch.mm, torch.ones(2, 2), torch.ones(2, 2), label="mm", repeat=1).label == "mm"
