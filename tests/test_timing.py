@@ -317,20 +317,30 @@ def test_timer_misuse_says_what_to_do():
         ad.Timer().measurement()
 
 
-def test_a_keyword_both_timeit_and_the_function_take_is_refused_not_guessed():
+def test_device_reaches_a_function_that_takes_it_and_other_shared_keywords_are_refused():
     """``ad.timeit(torch.ones, n, device=...)`` timed a CPU allocation labelled with the
-    device: ``device=`` went to timeit. Now it says whose it would be and how to pass it."""
-    with pytest.raises(TypeError, match=r"device= is timeit's own.*functools\.partial\(ones"):
-        timeit(torch.ones, 16, device="cpu", repeat=1, number=1)
+    device: ``device=`` went to timeit alone. It now reaches the function too; a keyword
+    whose owner cannot be told (``label=`` of a function that takes one) is refused."""
+    made = []
+
+    def alloc(n, *, device=None):
+        made.append(device)
+        return torch.ones(n, device=device)
+
+    m = timeit(alloc, 16, device="cpu", repeat=1, number=1)
+    assert m.device == "cpu" and made and set(made) == {"cpu"}
+    made.clear()
+    timeit(alloc, 16, repeat=1, number=1)  # not given: the function's own default
+    assert made and set(made) == {None}
 
     def scaled(x, *, label="y"):
         return x * 2
 
-    with pytest.raises(TypeError, match=r"label= is timeit's own"):
+    with pytest.raises(TypeError, match=r"label= is timeit's own.*functools\.partial\(scaled"):
         timeit(scaled, torch.ones(2), label="doubling", repeat=1, number=1)
-    # bound by a partial: no doubt whose it is, and timeit gets its own
-    m = timeit(functools.partial(torch.ones, device="cpu"), 16, device="cpu", repeat=1, number=1)
-    assert m.device == "cpu" and m.label == "ones"
+    # bound by a partial: no doubt whose it is, and timeit keeps its own
+    m = timeit(functools.partial(scaled, label="z"), torch.ones(2), label="x2", repeat=1)
+    assert m.label == "x2"
     # a function with **kwargs, or one that does not take the name, is not second-guessed
     assert timeit(lambda **kw: kw, device="cpu", repeat=1, number=1).device == "cpu"
     assert timeit(torch.mm, torch.ones(2, 2), torch.ones(2, 2), label="mm", repeat=1).label == "mm"

@@ -412,9 +412,10 @@ def timeit(
     Args:
         fn: the function; ``args`` and ``kwargs`` are passed to it. Keyword arguments with
             the names below go to ``timeit``: wrap ``fn`` in a lambda or
-            ``functools.partial`` to pass such names to it. Where ``fn`` takes one of
-            them too (``ad.timeit(torch.ones, n, device="cuda")``), ``timeit`` refuses
-            with a ``TypeError`` rather than guess whose it is.
+            ``functools.partial`` to pass such names to it. ``device=`` also goes to an
+            ``fn`` that takes it (``ad.timeit(torch.ones, n, device="cuda")`` allocates
+            on the GPU it times); where ``fn`` takes one of the others too, ``timeit``
+            refuses with a ``TypeError`` rather than guess whose it is.
         warmup: calls before anything is measured.
         repeat: samples; None collects about ``min_time`` seconds of them (5 to 1000).
         number: calls per sample; None chooses so the clock costs under 0.1% of a sample.
@@ -433,8 +434,8 @@ def timeit(
 
     Raises:
         ValueError: a negative ``warmup``, ``min_time``, or a ``number``/``repeat`` below 1.
-        TypeError: ``fn`` is not callable, or takes a keyword of ``timeit``'s own that was
-            given.
+        TypeError: ``fn`` is not callable, or takes a keyword of ``timeit``'s own (not
+            ``device``) that was given.
         DeviceNotFoundError: ``device`` names a device that is not here.
     """
     if not callable(fn):
@@ -443,9 +444,10 @@ def timeit(
             "pass it with its arguments, as in ad.timeit(model, x) or ad.timeit(torch.mm, a, b)"
         )
     _check_counts(warmup=warmup, repeat=repeat, number=number, min_time=min_time)
+    if device is not None and "device" not in kwargs and _takes(fn, "device"):
+        kwargs["device"] = device  # ad.timeit(torch.ones, n, device="cuda"): where both run
     _refuse_shared_keywords(
         fn,
-        device=device,
         label=label,
         number=number,
         repeat=repeat,
@@ -497,7 +499,6 @@ def timeit(
 
 #: What each of timeit's own keywords means, for the message when ``fn`` takes it too.
 _OWN = {
-    "device": "where fn runs, for synchronising and the clock",
     "label": "the measurement's name",
     "number": "calls per sample",
     "repeat": "samples",
@@ -509,26 +510,31 @@ _OWN = {
 }
 
 
+def _takes(fn: Callable[..., object], name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` and a ``functools.partial`` does not bind it."""
+    bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()
+    return name not in bound and name in _keywords_of(fn)
+
+
 def _refuse_shared_keywords(fn: Callable[..., object], **given: object) -> None:
-    """Refuse a keyword of timeit's own that ``fn`` takes too: ``ad.timeit(torch.ones,
-    2**20, device="cuda")`` would time a CPU allocation labelled cuda. ``given`` holds the
+    """Refuse a keyword of timeit's own, other than ``device``, that ``fn`` takes too
+    (``label=``, ``number=``, ...): whose it is cannot be told. ``given`` holds the
     keywords the caller set (None: not set); a ``functools.partial`` that already binds
     the name is not ambiguous."""
     names = {k for k, v in given.items() if v is not None}
     if not names:
         return
-    bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()
-    clash = sorted((names & _keywords_of(fn)) - bound)
+    clash = sorted(n for n in names if _takes(fn, n))
     if not clash:
         return
     name = clash[0]
-    fn_name = _name(fn) or "fn"
+    inner = getattr(fn, "func", fn)
+    fn_name = getattr(inner, "__name__", None) or _name(fn) or "fn"
     raise TypeError(
         f"ad.timeit({fn_name}, ..., {name}={given[name]!r}): {name}= is timeit's own "
-        f"({_OWN[name]}), and {fn_name} takes a {name}= too, so it would not reach "
-        f"{fn_name}. To pass it to {fn_name}: ad.timeit(functools.partial({fn_name}, "
-        f"{name}={given[name]!r}), ...), and give timeit its own {name}= besides if you "
-        "want both."
+        f"({_OWN[name]}) and {fn_name} takes one too. Give {fn_name} its own as "
+        f"functools.partial({fn_name}, {name}={given[name]!r}), and timeit's besides if "
+        "you want both."
     )
 
 
