@@ -238,6 +238,9 @@ class DeviceLoader(Generic[T]):
             )
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        from anydevice.startmethod import check_loader_workers
+
+        check_loader_workers(loader)  # a notebook's dataset under spawned workers: say so now
         self.loader = loader
         self.device = resolve_device(device)
         self.transform = transform
