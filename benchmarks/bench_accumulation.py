@@ -13,7 +13,8 @@ Both train the same model (``Linear + GELU`` blocks and a head, SGD) through
 ``ad.precision`` (fp32) and give the same weights. Reported per strategy (DDP, FSDP2):
 the gradient reductions per step, counted from the collectives the gloo process group
 ran (torch's profiler records each one; FSDP2's reduce-scatter runs as an all-reduce on
-gloo), and the median step time on rank 0, the two ways interleaved over ``--rounds``.
+gloo; DDP reduces each gradient bucket once), and the median step time on rank 0, the two
+ways interleaved over ``--rounds``.
 
 ``python benchmarks/bench_accumulation.py [--width 1024] [--depth 4] [--micro 8]``
 ``[--micro-batches 8]``
@@ -93,7 +94,8 @@ def worker(strategy: str, args: Any, out: Path) -> None:
             for _ in range(args.micro_batches)
         ]
         facts: dict[str, Any] = {}
-        for how in HOWS:
+        for how in HOWS:  # after a warm-up step: DDP re-buckets after its first backward
+            one_step(d, net, opt, p, micro, how)
             facts[f"{how} reductions"] = reductions(d, net, opt, p, micro, how)
             facts[f"{how} step_s"] = []
         for _ in range(args.rounds):  # interleaved, so drift hits both alike
