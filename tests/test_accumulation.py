@@ -57,14 +57,17 @@ def reference(x: torch.Tensor, y: torch.Tensor, per_step: int, clip: float | Non
     return model.state_dict()
 
 
-def accumulated(source, micro_batches: int, mode: str = "fp32", clip: float | None = None):
+def accumulated(
+    source, micro_batches: int, mode: str = "fp32", clip: float | None = None, device="cpu"
+):
     """The same model trained through ``accumulate`` and ``ad.precision``."""
-    model = net()
+    model = net().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    p = ad.precision("cpu", mode)
+    p = ad.precision(device, mode)
     facts = {"sizes": [], "scales": []}
     for step in accumulate(model, source, micro_batches=micro_batches):
         for xb, yb in step:
+            xb, yb = xb.to(device), yb.to(device)
             with p.autocast():
                 loss = nn.functional.mse_loss(model(xb).float(), yb)
             p.backward(step.scale(loss))
@@ -74,7 +77,7 @@ def accumulated(source, micro_batches: int, mode: str = "fp32", clip: float | No
         facts["scales"].append(p.step(opt).scale)
         opt.zero_grad(set_to_none=True)
         facts["sizes"].append(step.size)
-    return model.state_dict(), facts
+    return {k: v.cpu() for k, v in model.state_dict().items()}, facts
 
 
 def close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -191,6 +194,18 @@ def test_micro_batch_size_refuses_what_cannot_be_split():
         accumulate(nn.Linear(2, 1), range(8), global_batch=8)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["auto", "fp16"])
+def test_on_a_gpu_micro_batches_in_mixed_precision_match_one_batch(mode):
+    x, y = data(STEPS * N * B)
+    loader = DataLoader(TensorDataset(x, y), batch_size=B)
+    got, facts = accumulated(loader, N, mode=mode, clip=0.5, device="cuda")
+    assert facts["sizes"] == [N] * STEPS
+    if mode == "fp16":
+        assert all(s is not None and s > 1 for s in facts["scales"])
+    close(got, reference(x, y, N * B, clip=0.5), rtol=3e-2, atol=5e-3)  # bf16/fp16 forward
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 
@@ -238,8 +253,30 @@ def _train_on_rank(init_method: str, strategy: str) -> dict:
             else:
                 state = {k.removeprefix("module."): v for k, v in state.items()}
             facts[f"params {how}"] = {k: v.detach().clone() for k, v in state.items()}
+            if strategy == "ddp" and how == "accumulate":
+                facts["ddp"] = _ddp_edges(d, model, micro)
             del model, opt
         return facts
+
+
+def _ddp_edges(d: ad.Distributed, model: nn.Module, micro: list) -> dict:
+    """The sync is on again after a pass and after an error mid-step; a model without
+    DDP in a world of two is warned about."""
+    edges = {"after a pass": model.require_backward_grad_sync}
+    try:
+        for step in d.accumulate(model, micro, micro_batches=N):
+            for i, (xb, _) in enumerate(step):
+                edges["inside"] = model.require_backward_grad_sync  # micro-batch 0: off
+                if i == 1:
+                    raise KeyError("a failing micro-batch")
+                model(xb).sum().backward()
+    except KeyError:
+        edges["after an error"] = model.require_backward_grad_sync
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d.accumulate(ad.unwrap(model), micro, micro_batches=N)
+    edges["warned"] = [str(w.message) for w in caught]
+    return edges
 
 
 def _sync_on(model: nn.Module) -> None:
@@ -278,6 +315,10 @@ def test_two_ranks_reduce_once_per_step_and_match_one_process_on_the_whole_batch
         assert every == [N * per_step] * STEPS, every
         if wrapper == "DistributedDataParallel":
             assert per_step == 1
+            edges = facts["ddp"]
+            assert edges["inside"] is False
+            assert edges["after a pass"] is True and edges["after an error"] is True
+            assert any("neither DDP nor sharded" in w for w in edges["warned"]), edges
         close(facts["params accumulate"], want)
         close(facts["params every micro-batch"], want)
 
