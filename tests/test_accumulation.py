@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import anydevice as ad
 from anydevice.distributed.accumulation import accumulate, micro_batch_size
@@ -145,6 +145,50 @@ def test_global_batch_and_fit_batch_size_choose_the_micro_batch_and_their_number
     got, facts = accumulated(loader, steps.micro_batches)
     assert facts["sizes"] == [3, 3]
     close(got, reference(x, y, 96))
+
+
+def test_each_pass_ends_the_loaders_pass_so_a_distributed_sampler_reshuffles():
+    def loader() -> ad.DeviceLoader:
+        data_ = TensorDataset(torch.arange(24.0))
+        sampler = DistributedSampler(data_, num_replicas=1, rank=0, shuffle=True, seed=3)
+        return ad.DeviceLoader(DataLoader(data_, batch_size=4, sampler=sampler), device="cpu")
+
+    plain, through = loader(), loader()
+    steps = accumulate(net(), through, micro_batches=2)
+    orders, want = [], []
+    for _ in range(3):
+        seen = []
+        for step in steps:
+            for (xb,) in step:
+                seen += xb.tolist()
+        orders.append(seen)
+        want.append([v for (xb,) in plain for v in xb.tolist()])
+    assert orders == want  # the orders of a plain loop over the same loader, epoch by epoch
+    assert orders[0] != orders[1] != orders[2]  # a new shuffle every pass
+    assert through.sampler.epoch == plain.sampler.epoch == 2
+
+
+class Lying:
+    """An iterable whose len() is not what it gives."""
+
+    def __init__(self, length: int, gives: int) -> None:
+        self.length, self.gives = length, gives
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.gives))
+
+
+def test_a_loader_whose_length_is_wrong_is_named():
+    def run(source: Lying) -> list[list[int]]:
+        return [list(step) for step in accumulate(nn.Linear(2, 1), source, micro_batches=2)]
+
+    with pytest.warns(UserWarning, match="more batches than its len"):
+        run(Lying(4, 6))
+    with pytest.raises(ad.StepOrderError, match="ended after 3 batches, but its len"):
+        run(Lying(4, 3))
 
 
 def test_no_loader_gives_endless_steps_of_micro_batch_numbers():

@@ -17,9 +17,10 @@ of them:
 3. **The step boundary.** The micro-batches of each step come from one pass over the
    loader, with its length known, so every step knows its size before it starts and the
    loader is read exactly as far as training went (a saved loader position stays
-   right). A source without a length is read one micro-batch ahead to find its end; a
-   short last step then divides by ``N`` and its gradients are multiplied by ``N / k``
-   when it ends.
+   right); after the last step the loader is asked once more, so that it sees its pass
+   end (a ``DeviceLoader`` then advances its sampler's epoch). A source without a length
+   is read one micro-batch ahead to find its end; a short last step then divides by ``N``
+   and its gradients are multiplied by ``N / k`` when it ends.
 
 It composes with :func:`anydevice.precision` (``p.backward`` per micro-batch, then
 ``p.unscale_`` once, clipping, ``p.step`` once) and with
@@ -44,6 +45,8 @@ from anydevice.errors import StepOrderError
 __all__ = ["Accumulation", "AccumulationStep", "accumulate", "micro_batch_size"]
 
 T = TypeVar("T")
+
+_END = object()  #: what ``next(iterator, _END)`` gives at the end
 
 
 class AccumulationStep(Generic[T]):
@@ -154,6 +157,7 @@ class Accumulation(Generic[T]):
                     )
                 size = self._next_size(index)
                 if size == 0:
+                    self._finish_pass()
                     return
                 previous = AccumulationStep(self, index, size)
                 yield previous
@@ -173,6 +177,19 @@ class Accumulation(Generic[T]):
         if not self._ahead and not self._ended:
             self._read_ahead()
         return n if self._ahead else 0
+
+    def _finish_pass(self) -> None:
+        """Read the source to its end, so that it sees a complete pass: a ``DeviceLoader``
+        advances its sampler's epoch (a new shuffle) only then."""
+        if self._total is None or self._it is None:
+            return  # no length: the look-ahead already met the end
+        extra = next(self._it, _END)
+        if extra is not _END:
+            warnings.warn(
+                f"the loader gave more batches than its len() of {self._total}; "
+                "accumulate() stopped at its length. Give the loader a true length, or none.",
+                stacklevel=3,
+            )
 
     def _read_ahead(self) -> None:
         assert self._it is not None
