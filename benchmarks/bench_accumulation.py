@@ -13,8 +13,13 @@ Both train the same model (``Linear + GELU`` blocks and a head, SGD) through
 ``ad.precision`` (fp32) and give the same weights. Reported per strategy (DDP, FSDP2):
 the gradient reductions per step, counted from the collectives the gloo process group
 ran (torch's profiler records each one; FSDP2's reduce-scatter runs as an all-reduce on
-gloo; DDP reduces each gradient bucket once), and the median step time on rank 0, the two
-ways interleaved over ``--rounds``.
+gloo; DDP reduces each gradient bucket once), and the median step time on rank 0 (the two
+ways interleaved within each run).
+
+Every configuration runs in its own job, round-robin ``--rounds`` times so that the
+machine's drift hits them alike. Peers, on the same DDP model: accelerate's
+``Accelerator(gradient_accumulation_steps=N)`` with ``accelerator.accumulate(model)``, and
+Lightning Fabric's ``no_backward_sync``.
 
 ``python benchmarks/bench_accumulation.py [--width 1024] [--depth 4] [--micro 8]``
 ``[--micro-batches 8]``
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import gc
 import json
 import os
 import statistics
@@ -31,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +72,47 @@ def one_step(d: Any, net: nn.Module, opt: Any, p: Any, micro: list[Any], how: st
         opt.zero_grad(set_to_none=True)
 
 
-def reductions(*step: Any) -> int:
-    """The gradient reductions gloo ran during ``one_step(*step)``."""
+def micro_batches(args: Any, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    return [
+        (torch.randn(args.micro, args.width, generator=g), torch.randn(args.micro, 1, generator=g))
+        for _ in range(args.micro_batches)
+    ]
+
+
+def reductions(step: Callable[[], None]) -> int:
+    """The gradient reductions gloo ran during one optimizer ``step()``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        one_step(*step)
+        step()
     names = collections.Counter(e.name for e in prof.events())
     return names["gloo:all_reduce"]
+
+
+def measure(ways: dict[str, Callable[[], None]], args: Any) -> dict[str, Any]:
+    """Reductions per step, and the median step time of each round, ways interleaved."""
+    import torch.distributed as dist
+
+    facts: dict[str, Any] = {}
+    for how, step in ways.items():  # after a warm-up step: DDP re-buckets after its first
+        step()
+        facts[f"{how} reductions"] = reductions(step)
+        facts[f"{how} step_s"] = []
+    for _ in range(args.rounds):  # interleaved, so drift hits every way alike
+        for how, step in ways.items():
+            times = []
+            for s in range(WARMUP + args.steps):
+                dist.barrier()
+                t = time.perf_counter()
+                step()
+                if s >= WARMUP:
+                    times.append(time.perf_counter() - t)
+            facts[f"{how} step_s"].append(statistics.median(times))
+    return facts
+
+
+# ----------------------------------------------------------------------------- workers
 
 
 def worker(strategy: str, args: Any, out: Path) -> None:
@@ -85,37 +126,68 @@ def worker(strategy: str, args: Any, out: Path) -> None:
         extra = {"precision": "fp32"} if strategy == "fsdp" else {}
         net, opt = ad.prepare(net, optimizer=opt, strategy=strategy, **extra)
         p = ad.precision(d.device, "fp32")
-        g = torch.Generator().manual_seed(d.rank)
-        micro = [
-            (
-                torch.randn(args.micro, args.width, generator=g),
-                torch.randn(args.micro, 1, generator=g),
-            )
-            for _ in range(args.micro_batches)
-        ]
-        facts: dict[str, Any] = {}
-        for how in HOWS:  # after a warm-up step: DDP re-buckets after its first backward
-            one_step(d, net, opt, p, micro, how)
-            facts[f"{how} reductions"] = reductions(d, net, opt, p, micro, how)
-            facts[f"{how} step_s"] = []
-        for _ in range(args.rounds):  # interleaved, so drift hits both alike
-            for how in HOWS:
-                times = []
-                for s in range(WARMUP + args.steps):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    one_step(d, net, opt, p, micro, how)
-                    if s >= WARMUP:
-                        times.append(time.perf_counter() - t)
-                facts[f"{how} step_s"].append(statistics.median(times))
-        gathered = ad.all_gather(facts)
+        micro = micro_batches(args, d.rank)
+        ways = {how: functools.partial(one_step, d, net, opt, p, micro, how) for how in HOWS}
+        gathered = ad.all_gather(measure(ways, args))
         if d.rank == 0:
             out.write_text(json.dumps(gathered))
-        del net, opt
+        del net, opt, ways
         dist.barrier()
 
 
-def run(argv: list[str], out: Path) -> Any:
+def accelerate_step(acc: Any, net: nn.Module, opt: Any, micro: list[Any]) -> None:
+    for x, y in micro:
+        with acc.accumulate(net):
+            acc.backward(nn.functional.mse_loss(net(x), y))  # divides by N
+            opt.step()  # steps only on the last micro-batch
+            opt.zero_grad()
+
+
+def accelerate_worker(args: Any, out: Path) -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=args.micro_batches)
+    net = model(args.width, args.depth)
+    net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=1e-3))
+    micro = micro_batches(args, acc.process_index)
+    ways = {"accumulate()": functools.partial(accelerate_step, acc, net, opt, micro)}
+    facts = measure(ways, args)
+    gathered: list[Any] = [None] * acc.num_processes
+    torch.distributed.all_gather_object(gathered, facts)
+    if acc.is_main_process:
+        out.write_text(json.dumps(gathered))
+    del net, opt, ways  # free DDP's reducer while the group lives
+    gc.collect()
+    acc.end_training()
+
+
+def fabric_worker(args: Any, out: Path) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    net = fabric.setup_module(model(args.width, args.depth))
+    opt = fabric.setup_optimizers(torch.optim.SGD(net.parameters(), lr=1e-3))
+    micro = micro_batches(args, fabric.global_rank)
+
+    def step() -> None:
+        for i, (x, y) in enumerate(micro):
+            with fabric.no_backward_sync(net, enabled=i < len(micro) - 1):
+                fabric.backward(nn.functional.mse_loss(net(x), y) / len(micro))
+        opt.step()
+        opt.zero_grad()
+
+    facts = measure({"no_backward_sync()": step}, args)
+    gathered: list[Any] = [None] * fabric.world_size
+    torch.distributed.all_gather_object(gathered, facts)
+    if fabric.global_rank == 0:
+        out.write_text(json.dumps(gathered))
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run(label: str, argv: list[str], out: Path) -> Any:
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.DEVNULL,
@@ -127,10 +199,12 @@ def run(argv: list[str], out: Path) -> Any:
     try:
         err = proc.communicate(timeout=900)[1]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, 9)  # a rank hung (at exit, in gloo): the results may be there
         err = proc.communicate()[1] + "\n(timed out: killed)"
     if not out.exists():
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{err[-3000:]}")
+        tail = (err.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {label}: failed ({tail})")
+        return tail
     return json.loads(out.read_text())
 
 
@@ -146,21 +220,39 @@ def main() -> None:
     parser.add_argument("what", nargs="?", default="")
     parser.add_argument("out", nargs="?", default="")
     args = parser.parse_args()
-    if args.mode == "worker":
+    if args.mode == "ad":
         worker(args.what, args, Path(args.out))
-        return
+    elif args.mode == "accelerate":
+        accelerate_worker(args, Path(args.out))
+    elif args.mode == "fabric":
+        fabric_worker(args, Path(args.out))
+    else:
+        drive(args)
+
+
+def drive(args: Any) -> None:
     sizes = [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("width", "depth", "micro", "micro_batches", "steps", "rounds")
-    ]
+        for k in ("width", "depth", "micro", "micro_batches", "steps")
+    ] + ["--rounds=1"]  # a round per job: the jobs take turns
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
     me = str(Path(__file__).resolve())
-    found = {}
+    configs = {
+        "DDP": [*torchrun, me, *sizes, "ad", "ddp"],
+        "FSDP2": [*torchrun, me, *sizes, "ad", "fsdp"],
+        "accelerate": [*torchrun, me, *sizes, "accelerate", "-"],
+        "Fabric": [sys.executable, me, *sizes, "fabric", "-"],  # Fabric starts its own ranks
+    }
+    found: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy in ("ddp", "fsdp"):
-            print(f"  {strategy} ...", flush=True)
-            out = Path(tmp) / f"{strategy}.json"
-            found[strategy] = run([*torchrun, me, *sizes, "worker", strategy, str(out)], out)
+        for round_ in range(args.rounds):  # round-robin, so drift hits every config alike
+            for label, argv in configs.items():
+                if round_ and not isinstance(found.get(label), list):
+                    continue  # it failed: once is enough
+                print(f"  round {round_ + 1}: {label} ...", flush=True)
+                out = Path(tmp) / f"{round_}-{label}.json"
+                got = run(label, [*argv, str(out)], out)
+                found[label] = got if not isinstance(got, list) else [*found.get(label, []), got]
     report(found, args)
 
 
@@ -169,31 +261,43 @@ def report(found: dict[str, Any], args: Any) -> None:
     shape = (
         f"{args.depth} x Linear({args.width}, {args.width}) + GELU, a head; {params / 1e6:.1f} M "
         f"parameters, SGD, {args.micro_batches} micro-batches of {args.micro} per rank per "
-        "step, 2 ranks (gloo, 1 thread each)"
+        f"step, 2 ranks (gloo, 1 thread each); {args.rounds} rounds of every configuration"
     )
-    names = {"ddp": "DDP", "fsdp": "FSDP2"}
     counts = Result("accumulation-reductions", "per step", baseline="DDP: every micro-batch")
     step = Result("accumulation-step-time", "ms", baseline="DDP: every micro-batch")
-    for strategy, ranks in found.items():
-        r0 = ranks[0]
-        for how in HOWS:
-            label = f"{names[strategy]}: {how}"
+    failed = {k: v for k, v in found.items() if not isinstance(v, list)}
+    for config, rounds in found.items():
+        if config in failed:
+            continue
+        ranks = rounds[-1]
+        ways = [k.removesuffix(" reductions") for k in ranks[0] if k.endswith(" reductions")]
+        for how in ways:
+            label = f"{config}: {how}"
             counts.add(label, [r[f"{how} reductions"] for r in ranks])
-            step.add(label, [t * 1e3 for t in r0[f"{how} step_s"]])
-        every, once = (f"{names[strategy]}: {h}" for h in HOWS)
-        counts.extra[f"{strategy}_fewer"] = counts.rows[every] / counts.rows[once]
-        step.extra[f"{strategy}_speedup"] = step.rows[every] / step.rows[once]
-        line = (
-            f"{names[strategy]}: {counts.rows[every]:g} -> {counts.rows[once]:g} gradient "
-            f"reductions per step ({counts.extra[f'{strategy}_fewer']:.1f}x fewer); step "
-            f"{step.rows[every]:.0f} -> {step.rows[once]:.0f} ms "
-            f"({step.extra[f'{strategy}_speedup']:.2f}x faster)"
-        )
-        print(line)
-        counts.notes.append(line)
-        step.notes.append(line)
+            step.add(label, [each[0][f"{how} step_s"][0] * 1e3 for each in rounds])
+        if ways == list(HOWS):
+            every, once = (f"{config}: {h}" for h in HOWS)
+            counts.extra[f"{config}_fewer"] = counts.rows[every] / counts.rows[once]
+            step.extra[f"{config}_speedup"] = step.rows[every] / step.rows[once]
+            line = (
+                f"{config}: {counts.rows[every]:g} -> {counts.rows[once]:g} gradient "
+                f"reductions per step ({counts.extra[f'{config}_fewer']:.1f}x fewer); step "
+                f"{step.rows[every]:.0f} -> {step.rows[once]:.0f} ms "
+                f"({step.extra[f'{config}_speedup']:.2f}x faster)"
+            )
+            print(line)
+            counts.notes.append(line)
+            step.notes.append(line)
     for res in (counts, step):
         res.notes.append(shape)
+        res.notes.append(
+            "peers (DDP on 2 CPU ranks): accelerate's Accelerator(cpu=True, "
+            "gradient_accumulation_steps=N).accumulate(model), Lightning Fabric's "
+            "no_backward_sync(model, enabled=not last)"
+        )
+        res.extra["failed"] = failed
+        for label, why in failed.items():
+            res.notes.append(f"{label}: does not run here: {why}")
     save(counts)
     save(step)
 
