@@ -95,7 +95,7 @@ def fit(d: ad.Distributed, epochs: int, batch_size: int, global_batch: int, lr: 
     model.eval()
     with torch.no_grad():
         outputs = [(model(x).argmax(1), y) for x, y in test]  # one pass, both on d.device
-    preds = torch.cat([p for p, _ in outputs])
+    preds = torch.cat([pred for pred, _ in outputs])
     labels = torch.cat([y for _, y in outputs])
     preds, labels = ad.gather_for_metrics((preds, labels), test)  # each sample once
     assert len(preds) == len(test.dataset)  # type: ignore[arg-type]
