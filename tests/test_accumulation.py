@@ -320,6 +320,8 @@ def _ddp_edges(d: ad.Distributed, model: nn.Module, micro: list) -> dict:
         warnings.simplefilter("always")
         d.accumulate(ad.unwrap(model), micro, micro_batches=N)
     edges["warned"] = [str(w.message) for w in caught]
+    compiled = torch.compile(model)  # not run: only its wrapper is looked through
+    edges["compiled syncs"] = d.accumulate(compiled, micro, micro_batches=N).syncs
     return edges
 
 
@@ -363,6 +365,7 @@ def test_two_ranks_reduce_once_per_step_and_match_one_process_on_the_whole_batch
             assert edges["inside"] is False
             assert edges["after a pass"] is True and edges["after an error"] is True
             assert any("neither DDP nor sharded" in w for w in edges["warned"]), edges
+            assert edges["compiled syncs"] is True
         close(facts["params accumulate"], want)
         close(facts["params every micro-batch"], want)
 
