@@ -53,6 +53,7 @@ and on a copy stream it would wait for the queued step while the host stages it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -60,6 +61,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
+
+import torch
 
 from anydevice.clocks import xla_step
 from anydevice.copies import Copier, copier_for
@@ -254,17 +257,59 @@ class DeviceLoader(Generic[T]):
         self._epoch_left: int | None = None  #: the sampler's epoch as this loader left it
         self._marks = False  #: the sampler keeps the _LoaderEpoch it is given
         self._active: _Pass | None = None
+        self._resume: dict[str, Any] | None = None  #: load_state_dict's, for the next pass
+        self._generator_state: torch.Tensor | None = None  #: the sampler's, as the pass began
 
     # ------------------------------------------------------------------ source-like API
 
     def __len__(self) -> int:
         try:
-            return len(self.loader)  # type: ignore[arg-type]
+            n = len(self.loader)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
                 f"the wrapped {type(self.loader).__name__} has no len(); DeviceLoader can only "
                 "report the length of a source that has one"
             ) from None
+        # a resumed pass, pending or running: the batches it has left
+        run = self._active
+        if self._resume is not None:
+            return max(0, n - int(self._resume["position"]))
+        return max(0, n - run.skipped) if run is not None and not run.done else n
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: the epoch, the batches handed out in it, whether the epoch
+        is the user's, and the state of its ``RandomSampler``'s generator when the pass
+        began. Saved by ``ad.save_state(..., loader=loader)``; :meth:`load_state_dict`
+        resumes there (see :mod:`anydevice.resume`)."""
+        run = self._active
+        position = run.skipped + run.counters.batches if run is not None and not run.done else 0
+        return {
+            "epoch": int(self._epoch),
+            "epoch_is_users": self._epoch_is_users,
+            "position": position,
+            "generator": None if position == 0 else self._generator_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where :meth:`state_dict` was taken: the next pass runs that epoch from the
+        batch after the last one handed out, in the same order (see
+        :mod:`anydevice.resume` for which samplers keep it), and ``len()`` counts the
+        batches left until that pass ends.
+
+        Raises:
+            ValueError: ``state`` is not a DeviceLoader state (the keys it lacks).
+        """
+        missing = {"epoch", "position"} - set(state)
+        if missing:
+            raise ValueError(
+                f"load_state_dict: not a DeviceLoader state, it lacks {sorted(missing)}; pass "
+                "what loader.state_dict() returned (ad.save_state(..., loader=loader) saves it)"
+            )
+        if state.get("epoch_is_users"):
+            self.set_epoch(int(state["epoch"]))
+        else:
+            self._epoch = int(state["epoch"])
+        self._resume = {"position": int(state["position"]), "generator": state.get("generator")}
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the source's sampler (e.g. a DistributedSampler), now.
@@ -361,7 +406,24 @@ class DeviceLoader(Generic[T]):
         if self._active is not None:
             self._active.close()  # a new pass ends the previous one
         self._begin_epoch()
-        run = _Pass(self)
+        from anydevice.resume import sampler_generator, skip_at_sampler
+
+        resume, self._resume = self._resume, None
+        skip = resume["position"] if resume else 0
+        generator = sampler_generator(self.loader)
+        if generator is not None:
+            if resume and resume.get("generator") is not None:
+                generator.set_state(resume["generator"])  # the resumed pass's order
+            self._generator_state = generator.get_state()
+        undo = skip_at_sampler(self.loader, skip)  # no batch loaded for what was seen
+        try:
+            run = _Pass(self, skip=skip, by_hand=undo is None)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        if undo is not None:
+            run.undo = undo
         self._counters = run.counters
         self._active = run
         try:
@@ -531,8 +593,10 @@ def shut_down(source: Iterator[Any]) -> None:
 class _Pass:
     """One pass over the source: the producer, the issued-ahead batch, the counters."""
 
-    def __init__(self, owner: DeviceLoader[Any]) -> None:
+    def __init__(self, owner: DeviceLoader[Any], skip: int = 0, by_hand: bool = False) -> None:
         self.owner = owner
+        self.skipped = skip  #: batches of this epoch handed out before a resume
+        self.undo: Callable[[], None] | None = None  #: puts back a sampler skip_at_sampler set
         self.device = owner.device
         # CUDA's streams, or torch.Stream's (XPU, ...); None: moves are synchronous. Its
         # copy stream is one per device for the whole process, never per loader or pass:
@@ -554,6 +618,9 @@ class _Pass:
         self.done = False
         self.error: BaseException | None = None  # raised by the source after batch k was issued
         self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
+        if by_hand:  # a resumed pass over a source that cannot skip at its sampler
+            for _ in itertools.islice(self.source, skip):
+                pass
         self.producer: _Producer | None = None
         if owner.prefetch:
             self.producer = _Producer(self.source, self.copier, owner.depth)
@@ -685,6 +752,9 @@ class _Pass:
         return batch
 
     def close(self) -> None:
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
         if self.producer is not None:
             self.producer.close()
             if not self.producer.thread.is_alive():
