@@ -67,8 +67,10 @@ import torch
 from anydevice.clocks import xla_step
 from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
+from anydevice.resume import sampler_generator, skip_at_sampler
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as resolve_device
+from anydevice.startmethod import check_loader_workers
 from anydevice.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 
 __all__ = ["DeviceLoader", "LoaderStats"]
@@ -241,8 +243,6 @@ class DeviceLoader(Generic[T]):
             )
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
-        from anydevice.startmethod import check_loader_workers
-
         check_loader_workers(loader)  # a notebook's dataset under spawned workers: say so now
         self.loader = loader
         self.device = resolve_device(device)
@@ -406,8 +406,6 @@ class DeviceLoader(Generic[T]):
         if self._active is not None:
             self._active.close()  # a new pass ends the previous one
         self._begin_epoch()
-        from anydevice.resume import sampler_generator, skip_at_sampler
-
         resume, self._resume = self._resume, None
         skip = resume["position"] if resume else 0
         generator = sampler_generator(self.loader)
