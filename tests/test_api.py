@@ -32,7 +32,7 @@ DOCUMENTED = {
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
     "WorkerImportError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
-    "load_state", "prepare", "save_state", "share", "unwrap",
+    "load_state", "prepare", "save_state", "share", "unwrap", "wait_for_saves",
     # kernels
     "ExtensionError", "load_extension",
 }  # fmt: skip

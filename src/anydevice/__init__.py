@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         save_state,
         share,
         unwrap,
+        wait_for_saves,
     )
     from anydevice.errors import (
         AnydeviceError,
@@ -159,6 +160,7 @@ __all__ = [
     "try_all_gpus",
     "try_gpu",
     "unwrap",
+    "wait_for_saves",
 ]
 
 #: Public name -> the module that defines it, loaded on first use.
@@ -177,6 +179,7 @@ _SOURCES: dict[str, str] = {
     "load_state": "anydevice.distributed",
     "prepare": "anydevice.distributed",
     "save_state": "anydevice.distributed",
+    "wait_for_saves": "anydevice.distributed",
     "share": "anydevice.distributed",
     "unwrap": "anydevice.distributed",
     "AnydeviceError": "anydevice.errors",

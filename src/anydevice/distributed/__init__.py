@@ -26,7 +26,7 @@ from anydevice.distributed.context import Distributed, distributed
 from anydevice.distributed.elastic import launch
 from anydevice.distributed.parallel import prepare, unwrap
 from anydevice.distributed.sharing import share
-from anydevice.distributed.state import load_state, save_state
+from anydevice.distributed.state import load_state, save_state, wait_for_saves
 
 __all__ = [
     "Distributed",
@@ -41,4 +41,5 @@ __all__ = [
     "save_state",
     "share",
     "unwrap",
+    "wait_for_saves",
 ]

@@ -28,6 +28,7 @@ reads it whole and keeps its shards).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -35,6 +36,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,12 +45,13 @@ import torch.distributed as dist
 from torch import nn
 
 from anydevice import checkpoint
+from anydevice.distributed import history
 from anydevice.errors import CheckpointError
 
 if TYPE_CHECKING:
     from anydevice.precision import Precision
 
-__all__ = ["load_state", "save_state"]
+__all__ = ["load_state", "save_state", "wait_for_saves"]
 
 logger = logging.getLogger("anydevice")
 
@@ -65,6 +68,8 @@ def save_state(
     optimizer: torch.optim.Optimizer | None = None,
     precision: Precision | None = None,
     loader: Any = None,
+    keep: int | None = None,
+    background: bool = False,
     **extra: Any,
 ) -> Path:
     """Save ``model``, ``optimizer`` and ``extra`` so that :func:`load_state` resumes them.
@@ -88,6 +93,16 @@ def save_state(
         loader: the :class:`~anydevice.DeviceLoader` of the loop (or anything with
             ``state_dict()``): its epoch and position within it are saved, per rank, so
             ``load_state(..., loader=loader)`` resumes mid-epoch at the next batch.
+        keep: keep the newest ``keep`` checkpoints: ``path`` is then a folder, this one
+            goes to ``path/step-<step>`` (``step=`` is needed) and older ones beyond
+            ``keep`` are removed once it is whole; ``load_state(latest_in=path)`` resumes
+            the newest complete one.
+        background: return as soon as the state is copied to host memory and write it in
+            a background thread, so the step goes on meanwhile (a world of one). At most
+            one save is in flight: the next ``save_state`` first waits for it. Its error,
+            if any, is raised by that next call or by :func:`wait_for_saves` (and logged
+            at exit, where nobody waited). The write is atomic as ever: a process killed
+            meanwhile leaves the previous checkpoint.
         extra: anything else to restore, per rank: the step, epoch, ``scheduler.state_dict()``,
             ``torch.get_rng_state()``, ... — tensors, numbers, strings and containers of
             them (what ``torch.load(weights_only=True)`` reads back).
@@ -100,32 +115,102 @@ def save_state(
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    target = Path(os.fspath(path))
+    wait_for_saves()  # the one in flight first: its error surfaces here
+    rank, size = _world()
+    if background and size > 1:
+        raise ValueError(
+            "ad.save_state(..., background=True) writes in the background in a world of one; "
+            f"this world has {size} ranks. Save without background= there (every rank "
+            "writes its own shards, so a save takes 1/world of the time)."
+        )
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a whole number of checkpoints >= 1, not {keep!r}")
+    folder = Path(os.fspath(path))
+    target = folder if keep is None else history.numbered(folder, extra.get("step"))
     if loader is not None:
         extra = {**extra, _LOADER: _loader_state(loader)}
     precision_state = _precision_state(precision, extra)
     model_state, optim_state = _states(model, optimizer, get_state_dict)
-    rank, size = _world()
     if size == 1:
         state = {"format": _FORMAT, "model": model_state, "optimizer": optim_state, "extra": extra}
         if precision_state is not None:
             state["precision"] = precision_state
-        if target.is_dir():  # a folder saved by several ranks: replaced the same way
-            _sweep(target)
-            tmp = target.parent / checkpoint.temp_name(target, "tmp")
-            _replace(checkpoint.save(state, tmp), target)
+        if not background:
+            _save_one(state, target, folder if keep is not None else None, keep)
             return target
-        return checkpoint.save(state, target)
-    return _save_sharded(target, rank, size, model_state, optim_state, extra, precision_state)
+        global _inflight
+        staged = _to_host(state)  # the step may change the tensors from here on
+        _inflight = _writer().submit(_save_one, staged, target, folder if keep else None, keep)
+        return target
+    _save_sharded(target, rank, size, model_state, optim_state, extra, precision_state)
+    if keep is not None and rank == 0:
+        history.prune(folder, keep)
+    if keep is not None and size > 1:
+        dist.barrier()  # no rank reads the folder while rank 0 prunes it
+    return target
+
+
+def wait_for_saves() -> None:
+    """Wait for the ``save_state(..., background=True)`` in flight, if any, and raise its
+    error (a :class:`~anydevice.CheckpointError` naming the path, the previous checkpoint
+    kept). ``save_state`` calls it first; call it before reading a checkpoint saved in the
+    background, and before exiting where the last save matters."""
+    global _inflight
+    pending, _inflight = _inflight, None
+    if pending is not None:
+        pending.result()
+
+
+#: The background save in flight (one at most), and its thread.
+_inflight: Future[None] | None = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anydevice-save")
+        atexit.register(_at_exit)
+    return _pool
+
+
+def _at_exit() -> None:
+    try:
+        wait_for_saves()
+    except Exception as e:  # nobody is left to raise it to: said, never lost silently
+        logger.error("anydevice: the last background save_state failed: %s", e)
+
+
+def _to_host(state: Any) -> Any:
+    """A copy of ``state`` whose tensors live in host memory of their own."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _to_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_host(v) for v in state)
+    return state
+
+
+def _save_one(state: dict[str, Any], target: Path, folder: Path | None, keep: int | None) -> None:
+    if target.is_dir():  # a folder saved by several ranks: replaced the same way
+        _sweep(target)
+        tmp = target.parent / checkpoint.temp_name(target, "tmp")
+        _replace(checkpoint.save(state, tmp), target)
+    else:
+        checkpoint.save(state, target)
+    if folder is not None and keep is not None:
+        history.prune(folder, keep)
 
 
 def load_state(
-    path: PathLike,
+    path: PathLike | None = None,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     precision: Precision | None = None,
     loader: Any = None,
+    latest_in: PathLike | None = None,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` from :func:`save_state`; return its ``extra``.
 
@@ -140,6 +225,9 @@ def load_state(
             with ``save_state(..., precision=p)`` is restored into it (also across modes:
             see :meth:`~anydevice.Precision.load_state_dict`). A checkpoint saved without
             one leaves it as it is, with a warning on the ``anydevice`` logger.
+        latest_in: instead of ``path`` (pass ``None``), a folder of ``save_state(...,
+            keep=k)`` checkpoints: the newest complete one is loaded (a partial or
+            unfinished one is skipped), and its path logged.
         loader: the loop's :class:`~anydevice.DeviceLoader`: its next pass resumes where
             the one saved with ``save_state(..., loader=loader)`` stopped (the same epoch,
             from the next batch, in the same order). A checkpoint saved without one
@@ -161,6 +249,17 @@ def load_state(
     )
 
     _check_precision(precision)
+    wait_for_saves()  # a background save of this process is whole before it is read
+    if (path is None) == (latest_in is None):
+        raise TypeError(
+            "ad.load_state takes a path or latest_in=FOLDER (the newest complete checkpoint "
+            f"saved there with keep=), one of the two; got path={path!r}, "
+            f"latest_in={latest_in!r}."
+        )
+    if latest_in is not None:
+        path = history.latest(Path(os.fspath(latest_in)))
+        logger.info("load_state: resuming from %s, the newest complete checkpoint", path)
+    assert path is not None
     rank, size = _world()
     source = _resolve(Path(os.fspath(path)))
     if rank == 0 and source == Path(os.fspath(path)):
