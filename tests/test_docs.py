@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -138,6 +140,7 @@ def snippets() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     return runnable, not_run
 
 
+@pytest.mark.timeout(300)
 def test_every_python_snippet_in_the_readme_and_docs_runs():
     runnable, not_run = snippets()
     assert len(runnable) >= 8
@@ -156,16 +159,25 @@ def test_every_python_snippet_in_the_readme_and_docs_runs():
         else:
             together.append((name, code))
     failed: dict[str, str] = {}
+    runs = []  # side by side: each group in a process of its own
     for shared, group in [(False, together), *((True, g) for g in simulated.values())]:
         env = {**os.environ, "ANYDEVICE_DEVICE": "cpu"} if shared else None
-        out = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-c", RUNNER],
-            input=json.dumps([PRELUDE, group, shared]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             env=env,
-            capture_output=True,
             text=True,
-            timeout=300,
         )
-        assert out.returncode == 0, out.stderr
-        failed |= json.loads(out.stdout.strip().splitlines()[-1])
+        runs.append((proc, json.dumps([PRELUDE, group, shared])))
+    for proc, given in runs:
+        try:
+            out, err = proc.communicate(given, timeout=280)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 0, err
+        failed |= json.loads(out.strip().splitlines()[-1])
     assert not failed, "\n\n".join(f"{name}:\n{tb}" for name, tb in failed.items())
