@@ -364,3 +364,117 @@ def test_fork_workers_compute_after_the_launcher_used_openmp(tmp_path):
         pytest.fail("forked workers hung in their first parallel op (killed after 100 s)")
     assert proc.returncode == 0, err[-2000:]
     assert "result {0: 1, 1: 1}" in out, out + err[-2000:]
+
+
+# ----------------------------------------------------------------------------- main guard
+
+
+def run_script(path, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``python PATH ARGS`` in its own session, killed with its whole group after
+    ``timeout`` seconds (which fails the test)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{path} ran past {timeout} s: {err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+_UNGUARDED = """
+import anydevice as ad
+
+
+def work(x):
+    return x + 1
+
+
+print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+"""
+
+_GUARDED = """
+import anydevice as ad
+
+
+def work(x):
+    return x + 1
+
+
+def main():
+    print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+#: The script's top level is compiled from a string: no source line to look at before
+#: starting, so the starting worker is what notices.
+_UNGUARDED_WITHOUT_SOURCE = """
+exec(compile('''
+import anydevice as ad
+from work_module import work
+print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+''', "<generated>", "exec"))
+"""
+
+
+def test_a_script_that_launches_outside_the_main_guard_is_told_so_before_starting(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    proc = run_script(script)
+    assert proc.returncode == 1
+    assert "result" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert 'unguarded.py line 9 calls ad.launch outside `if __name__ == "__main__":`' in last
+    assert "Put the call under that guard." in last
+    assert "bootstrapping phase" not in proc.stderr  # multiprocessing's error, twice
+    assert "no Python traceback" not in proc.stderr
+
+
+def test_a_launch_under_the_main_guard_runs(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED)
+    proc = run_script(script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "result {0: 2, 1: 2}" in proc.stdout
+
+
+def test_a_worker_that_starts_a_launch_again_says_which_guard_is_missing(tmp_path):
+    (tmp_path / "work_module.py").write_text("def work(x):\n    return x + 1\n")
+    script = tmp_path / "generated.py"
+    script.write_text(_UNGUARDED_WITHOUT_SOURCE)
+    proc = run_script(script)
+    assert proc.returncode != 0
+    assert "ad.launch was called again in a starting worker" in proc.stderr
+    assert 'outside `if __name__ == "__main__":`' in proc.stderr
+    assert "bootstrapping phase" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "guarded"),
+    [
+        ("ad.launch(f)\n", 1, False),
+        ("if __name__ == '__main__':\n    ad.launch(f)\n", 2, True),
+        ("if '__main__' == __name__:\n    ad.launch(f)\n", 2, True),
+        ("if __name__ == '__main__' and ok:\n    main()\n", 2, True),
+        ("try:\n    if __name__ == '__main__':\n        main()\nexcept E:\n    pass\n", 3, True),
+        ("try:\n    pass\nexcept E:\n    if __name__ == '__main__':\n        main()\n", 5, True),
+        ("if ok:\n    main()\n", 2, False),
+        ("if __name__ == '__main__':\n    pass\nelse:\n    main()\n", 4, False),
+        ("def main():\n    ad.launch(f)\n\n\nmain()\n", 5, False),
+    ],
+)
+def test_the_guard_is_found_around_the_launching_line(source, line, guarded):
+    import ast
+
+    from anydevice.distributed.elastic import _guarded
+
+    assert _guarded(ast.parse(source), line) is guarded
