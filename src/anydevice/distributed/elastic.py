@@ -8,7 +8,9 @@ fills in its configuration — the parts that are easy to get wrong:
 * **Standalone** (one node): a c10d rendezvous on ``127.0.0.1:0``, so the operating system
   hands out a free port (no race) and nothing listens beyond this machine.
 * **Several nodes**: c10d at ``rdzv_endpoint`` with a bounded ``join_timeout`` (torch's
-  default waits 600 s for a missing node); the node with ``node_rank=0`` hosts the store.
+  default waits 600 s for a missing node); the node with ``node_rank=0`` hosts the store
+  (:mod:`.rendezvous`: every wait bounded, an endpoint another job holds named as such).
+  One node given an ``rdzv_endpoint`` hosts it.
 * **Restarts and elastic node ranges** set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with
   torch's shared store a restarted group often reconnects to the previous attempt's peers
   (pytorch/pytorch#135712, #167288) — with it, restarts recover.
@@ -310,6 +312,8 @@ def plan(
         local_addr = host if host in LOOPBACK else None
         if node_rank is not None:
             configs["is_host"] = node_rank == 0
+        elif max_nodes == 1:  # no other node to host it: a taken port is another job's
+            configs["is_host"] = True
     extra: dict[str, str] = {}
     unshared = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     if (max_restarts > 0 or min_nodes != max_nodes) and unshared not in env:
