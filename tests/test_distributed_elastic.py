@@ -374,7 +374,7 @@ def test_fork_workers_compute_after_the_launcher_used_openmp(tmp_path):
 # ----------------------------------------------------------------------------- main guard
 
 
-def run_script(path, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def run_script(path, *args: str, timeout: float = 100.0) -> subprocess.CompletedProcess[str]:
     """``python PATH ARGS`` in its own session, killed with its whole group after
     ``timeout`` seconds (which fails the test)."""
     proc = subprocess.Popen(
@@ -553,6 +553,7 @@ print("done", os.environ["RANK"], flush=True)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
 def test_an_endpoint_that_accepts_and_never_answers_fails_within_the_timeout():
     with silent_server() as port:
         t = time.perf_counter()
@@ -573,6 +574,7 @@ def test_an_endpoint_that_accepts_and_never_answers_fails_within_the_timeout():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
 def test_a_store_that_stops_answering_fails_its_request_within_the_timeout(tmp_path):
     # Node 0 hosts the store of a 3-node rendezvous; node 1 joins, then node 0 is stopped
     # (SIGSTOP: the kernel still holds the connection, nothing answers on it).
@@ -613,6 +615,7 @@ def test_a_store_that_stops_answering_fails_its_request_within_the_timeout(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the wait below kills what hangs
 @pytest.mark.parametrize("nodes", [(), ("--nnodes", "2", "--node-rank", "0")], ids=["one", "0"])
 def test_a_taken_port_is_said_to_be_in_use_and_by_whom(nodes):
     with silent_server(accept=False) as port:  # listens, accepts nothing
@@ -631,6 +634,7 @@ def test_a_taken_port_is_said_to_be_in_use_and_by_whom(nodes):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
 def test_a_second_job_on_the_same_endpoint_is_told_another_job_holds_it(tmp_path):
     script, go = tmp_path / "waiter.py", tmp_path / "go"
     script.write_text(_WAITER)
@@ -693,6 +697,7 @@ def _rendezvous_state(endpoint: str, run_id: str = "anydevice") -> Any:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
 def test_a_spare_node_whose_rendezvous_closes_says_so(tmp_path):
     # A node of a 1:2 range that arrives at a complete 2-node round waits as a spare (torch
     # gives it no timeout) until that job ends and closes the rendezvous: torch's agent

@@ -64,9 +64,6 @@ def open_rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
         RendezvousConnectionError: (torch's) nothing accepted a connection in time, or a
             request to the store failed; :func:`unreachable` words it.
     """
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
         RendezvousTimeout,
@@ -77,12 +74,12 @@ def open_rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
     is_host = chosen.rdzv_configs.get("is_host")
     handler_type: type[Any] = DynamicRendezvousHandler
     if host in LOOPBACK:
-        store, hosting = _loopback_store(chosen, host, port, is_host, timeout)
+        store, sockets = _loopback_store(chosen, host, port, is_host, timeout)
         handler_type = _loopback_handler_type()
     else:
-        store, hosting = _store(chosen, host, port, is_host, timeout)
-    backend = C10dRendezvousBackend(store, chosen.run_id)
-    if not hosting:
+        store, sockets = _store(chosen, host, port, is_host, timeout)
+    backend = _backend(store, chosen.run_id, sockets)
+    if sockets is not None:  # a client: the rendezvous there may be another job's
         _check_not_taken(backend, chosen)
     handler = handler_type.from_backend(
         chosen.run_id,
@@ -168,23 +165,24 @@ _ANOTHER_JOB = "another job on that endpoint"
 
 def _loopback_store(
     chosen: LaunchPlan, host: str, port: int, is_host: bool | None, timeout: int
-) -> tuple[Any, bool]:
-    """The rendezvous store at ``host:port`` on loopback, and whether it is served here:
-    on a socket bound to loopback (``is_host``), or reached as a client within
-    ``timeout``. With ``is_host=None`` whoever binds the port first hosts, as torch does."""
+) -> tuple[Any, set[int] | None]:
+    """The rendezvous store at ``host:port`` on loopback, served here on a socket bound to
+    loopback (``is_host``), or reached as a client within ``timeout``; and the client's
+    sockets (None when served here). With ``is_host=None`` whoever binds the port first
+    hosts, as torch does."""
     if is_host is not False:
         try:
-            return _served_on_loopback(host, port, timedelta(seconds=max(timeout, 60))), True
+            return _served_on_loopback(host, port, timedelta(seconds=max(timeout, 60))), None
         except OSError as e:
             if is_host:
                 raise _port_taken(chosen, host, port, e, timeout) from e
     address = "::1" if host in ("::1", "[::1]") else "127.0.0.1"
-    return _client(chosen, address, port, timeout), False
+    return _client(chosen, address, port, timeout)
 
 
 def _store(
     chosen: LaunchPlan, host: str, port: int, is_host: bool | None, timeout: int
-) -> tuple[Any, bool]:
+) -> tuple[Any, set[int] | None]:
     """The rendezvous store at a host beyond loopback, as torch's c10d backend makes it
     (hosting where ``is_host``, or where ``host`` names this machine and the port is free),
     with the client's waits bounded."""
@@ -197,11 +195,11 @@ def _store(
             store = TCPStore(
                 host, port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=timeout)
             )
-            return store, True
+            return store, None
         except (RuntimeError, ValueError, TimeoutError) as e:
             if is_host:
                 raise _port_taken(chosen, host, port, e, timeout) from e
-    return _client(chosen, host, port, timeout), False
+    return _client(chosen, host, port, timeout)
 
 
 def _served_on_loopback(host: str, port: int, timeout: timedelta) -> Any:
@@ -244,9 +242,9 @@ def _loopback_handler_type() -> type[Any]:
     return LoopbackRendezvousHandler
 
 
-def _client(chosen: LaunchPlan, host: str, port: int, timeout: int) -> Any:
+def _client(chosen: LaunchPlan, host: str, port: int, timeout: int) -> tuple[Any, set[int]]:
     """A ``TCPStore`` client of ``host:port`` whose connection, handshake and every later
-    request each take at most ``timeout`` seconds.
+    request each take at most ``timeout`` seconds, and its sockets.
 
     Raises:
         RendezvousConnectionError: (torch's) nothing accepted a connection, or the store
@@ -255,7 +253,7 @@ def _client(chosen: LaunchPlan, host: str, port: int, timeout: int) -> Any:
     """
     wait_until_reachable(host, port, timeout)
     try:
-        store = _handshake(host, port, timeout)
+        made = _handshake(host, port, timeout)
     except _Silent:
         raise DistributedTimeoutError(
             f"Something at {chosen.rdzv_endpoint} accepted the connection but did not "
@@ -264,16 +262,16 @@ def _client(chosen: LaunchPlan, host: str, port: int, timeout: int) -> Any:
             "that hosts it (node_rank=0) is stuck. Check the port in rdzv_endpoint "
             "(--rdzv-endpoint)."
         ) from None
-    return store
+    return made
 
 
 class _Silent(Exception):
     """The endpoint accepted the connection but did not answer the handshake in time."""
 
 
-def _handshake(host: str, port: int, timeout: int) -> Any:
-    """torch's ``TCPStore`` client, made on a helper thread given ``timeout`` seconds; its
-    socket then reads and writes with that timeout."""
+def _handshake(host: str, port: int, timeout: int) -> tuple[Any, set[int]]:
+    """torch's ``TCPStore`` client, made on a helper thread given ``timeout`` seconds, and
+    its sockets, which then read and write with that timeout."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
@@ -282,7 +280,7 @@ def _handshake(host: str, port: int, timeout: int) -> Any:
 
     before = _sockets_to(port)
     if before is None:  # no way to find the client's socket here: torch's own waits
-        return make()
+        return make(), set()
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -307,9 +305,44 @@ def _handshake(host: str, port: int, timeout: int) -> Any:
     if "error" in box:
         error = box["error"]
         raise RendezvousConnectionError(str(error).strip().splitlines()[0]) from error
-    for fd in (_sockets_to(port) or set()) - before:
+    sockets = (_sockets_to(port) or set()) - before
+    for fd in sockets:
         _bound_io(fd, timeout)
-    return box["store"]
+    return box["store"], sockets
+
+
+def _backend(store: Any, run_id: str, sockets: set[int] | None) -> Any:
+    """torch's c10d rendezvous backend on ``store``. Once a request through it fails, the
+    client's ``sockets`` are shut down: the requests that follow (torch's agent and this
+    module close the rendezvous on the way out) then fail at once, where each would wait
+    its own timeout on a store that stopped answering."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    class Backend(C10dRendezvousBackend):
+        def get_state(self) -> Any:
+            try:
+                return super().get_state()
+            except RendezvousConnectionError:
+                _shut(sockets or set())
+                raise
+
+        def set_state(self, state: bytes, token: Any | None = None) -> Any:
+            try:
+                return super().set_state(state, token)
+            except RendezvousConnectionError:
+                _shut(sockets or set())
+                raise
+
+    return Backend(store, run_id)
+
+
+def _shut(sockets: set[int]) -> None:
+    for fd in sockets:
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as s:
+            s.shutdown(socket.SHUT_RDWR)
 
 
 def _cut_new(port: int, before: set[int], done: threading.Event) -> None:
@@ -318,9 +351,7 @@ def _cut_new(port: int, before: set[int], done: threading.Event) -> None:
     deadline = time.monotonic() + 10
     with _quiet_fd2():
         while not done.is_set() and time.monotonic() < deadline:
-            for fd in (_sockets_to(port) or set()) - before:
-                with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as s:
-                    s.shutdown(socket.SHUT_RDWR)
+            _shut((_sockets_to(port) or set()) - before)
             done.wait(0.05)
 
 
@@ -393,11 +424,11 @@ def _port_taken(
     holder = _holder(port)
     probe = "127.0.0.1" if host in LOOPBACK else host
     try:
-        store = _handshake(probe, port, min(timeout, 3))
+        _handshake(probe, port, min(timeout, 3))
+        answered = True  # a torch store: another job's rendezvous
     except Exception:
-        store = None
-    if store is not None:
-        del store  # a torch store answered: another job's rendezvous
+        answered = False
+    if answered:
         return DistributedError(
             f"Another job holds the rendezvous endpoint {chosen.rdzv_endpoint}: a torch store "
             f"answers there{holder}. Choose another port for rdzv_endpoint "
