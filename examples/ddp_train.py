@@ -11,6 +11,12 @@ device_ids to DDP (but not on the CPU, where torch refuses them), averages the l
 hand, evaluates on a padded sampler that counts some samples twice, and forgets to tear
 down. Here that is ``ad.distributed()``, ``ad.prepare()``, ``ad.all_reduce()`` and
 ``ad.gather_for_metrics()``.
+
+The loop is the whole modern step: mixed precision by hardware (``ad.precision``: bf16,
+or fp16 with loss scaling), gradient accumulation to a fixed global batch whatever the
+number of processes (``d.accumulate``: one gradient all-reduce per optimizer step, not one
+per micro-batch), and gradient clipping after the loss scale is taken back out.
+``--batch-size auto`` finds the largest micro-batch that fits (``ad.fit_batch_size``).
 """
 
 from __future__ import annotations
@@ -32,47 +38,79 @@ def dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, (x @ w > 0).long())
 
 
-def fit(d: ad.Distributed, epochs: int, batch_size: int, lr: float) -> float:
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+
+
+def largest_micro_batch(d: ad.Distributed, global_batch: int) -> int:
+    """The largest micro-batch that fits on this device and divides the global batch."""
+    model = make_model().to(d.device)  # searched outside DDP: no collectives per try
+    data = dataset(global_batch, seed=3)
+
+    def step(size: int) -> None:
+        x, y = (t[:size].to(d.device) for t in data.tensors)
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    fits = ad.fit_batch_size(step, high=global_batch // d.world_size)
+    return d.micro_batch_size(global_batch, fits)
+
+
+def fit(d: ad.Distributed, epochs: int, batch_size: int, global_batch: int, lr: float) -> float:
     """Train, evaluate, and return the test accuracy (the same on every rank).
 
     The DDP model lives in this function, so it is freed before ``ad.distributed`` tears
     the process group down.
     """
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 2))
+    model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     train = DataLoader(dataset(2000, seed=1), batch_size=batch_size, shuffle=True)
     test = DataLoader(dataset(999, seed=2), batch_size=256)  # 999: uneven on purpose
     model, train, optimizer = ad.prepare(model, train, optimizer)
     model, test = ad.prepare(model, test)  # an already wrapped model is left as it is
+    p = ad.precision(d.device)  # bf16, fp16 (with loss scaling) or fp32, by hardware
     loss_fn = nn.CrossEntropyLoss()
+    # (resume here: restore model, optimizer, precision and loader state, and the epoch)
     for epoch in range(epochs):
         model.train()
         total = torch.zeros((), device=d.device)
-        for x, y in train:  # on d.device already; a new shuffle every epoch, unasked
+        steps = d.accumulate(model, train, global_batch=global_batch)  # same on any world
+        for step in steps:  # one optimizer step: micro-batches of batch_size on each rank
+            for x, y in step:  # on d.device already; a new shuffle every epoch, unasked
+                with p.autocast():
+                    loss = loss_fn(model(x), y)
+                p.backward(step.scale(loss))  # loss / micro-batches; one all-reduce, at the end
+                total += loss.detach() / len(train)
+            p.unscale_(optimizer)  # once per step, before clipping
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            p.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach()
-        mean_loss = ad.all_reduce(total / len(train))  # averaged over ranks
+            # (checkpoint here: every k steps, save the state the resume above restores)
+        mean_loss = ad.all_reduce(total)  # averaged over ranks
         if d.is_main:
-            print(f"epoch {epoch}: loss {mean_loss.item():.4f}")
+            print(
+                f"epoch {epoch}: loss {mean_loss.item():.4f} ({len(steps)} steps of "
+                f"{steps.micro_batches} x {batch_size} x {d.world_size} = {global_batch}, {p.mode})"
+            )
     model.eval()
     with torch.no_grad():
         outputs = [(model(x).argmax(1), y) for x, y in test]  # one pass, both on d.device
-    preds = torch.cat([p for p, _ in outputs])
+    preds = torch.cat([pred for pred, _ in outputs])
     labels = torch.cat([y for _, y in outputs])
     preds, labels = ad.gather_for_metrics((preds, labels), test)  # each sample once
     assert len(preds) == len(test.dataset)  # type: ignore[arg-type]
     return (preds == labels).float().mean().item()
 
 
-def main(epochs: int = 3, batch_size: int = 32, lr: float = 0.05) -> float:
+def main(
+    epochs: int = 3, batch_size: int | str = 16, global_batch: int = 64, lr: float = 0.05
+) -> float:
     with ad.distributed() as d:
         if d.is_main:
             print(f"{d.world_size} process(es), {d.backend or 'no process group'}, on {d.device}")
-        accuracy = fit(d, epochs, batch_size, lr)
+        if batch_size == "auto":
+            batch_size = largest_micro_batch(d, global_batch)
+        accuracy = fit(d, epochs, int(batch_size), global_batch, lr)
         if d.is_main:
             print(f"test accuracy {accuracy:.3f}")
         return accuracy
@@ -81,12 +119,15 @@ def main(epochs: int = 3, batch_size: int = 32, lr: float = 0.05) -> float:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--batch-size", default="16", help="micro-batch per process, or auto")
+    parser.add_argument("--global-batch", type=int, default=64, help="samples per step, all ranks")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--spawn", type=int, default=0, metavar="N", help="ad.launch N procs")
     args = parser.parse_args()
+    size = args.batch_size if args.batch_size == "auto" else int(args.batch_size)
+    run = (args.epochs, size, args.global_batch, args.lr)
     if args.spawn:
-        results = ad.launch(main, args.epochs, args.batch_size, args.lr, nprocs=args.spawn)
+        results = ad.launch(main, *run, nprocs=args.spawn)
         print(f"accuracy by rank: {results}")
     else:
-        main(args.epochs, args.batch_size, args.lr)
+        main(*run)

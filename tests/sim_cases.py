@@ -271,6 +271,25 @@ def test_device_loader_copies_the_next_batch_while_this_one_computes() -> None:
     assert all(overlapped), (overlapped, copies, computes)
 
 
+def test_without_prefetch_batches_are_copied_on_the_consumers_stream() -> None:
+    """``prefetch=False``: each batch is read when the loop asks and is pageable, so its
+    copy goes on the consumer's stream, after the step it follows, not on the copy stream
+    (where it would wait for that step with the host held); batches arrive whole."""
+    import anydevice as ad
+    from anydevice import testing
+
+    batches = [torch.full((N // 4,), float(i)) for i in range(3)]
+    with testing.trace() as spans:
+        for i, x in enumerate(ad.DeviceLoader(batches, NAME, prefetch=False)):
+            testing.busy(0.005)
+            got = (x * 1).cpu()
+            assert not torch.isnan(got).any() and (got == float(i)).all(), i
+        torch.accelerator.synchronize()
+    copies = [s for s in spans if s.what == "h2d"]
+    here = torch.accelerator.current_stream().stream_id
+    assert len(copies) == 3 and all(c.stream == here for c in copies), (here, copies)
+
+
 def test_side_stream_waits_on_entry_and_on_exit(slow_link: None) -> None:
     import anydevice as ad
 

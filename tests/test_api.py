@@ -30,6 +30,7 @@ DOCUMENTED = {
     "FlopCount", "ModuleFlops", "Peak", "Throughput", "ThroughputStats", "flops",
     # many devices, many machines
     "Distributed", "DistributedError", "DistributedTimeoutError", "WorkerFailedError",
+    "WorkerImportError",
     "all_gather", "all_reduce", "broadcast", "distributed", "gather_for_metrics", "launch",
     "load_state", "prepare", "save_state", "share", "unwrap",
     # kernels

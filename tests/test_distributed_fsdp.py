@@ -101,7 +101,8 @@ def _fsdp_rank(init_method: str) -> dict:
             momentum=0.9,
         )
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100)
-        wrapped, same_opt = ad.prepare(net, optimizer=opt, strategy="fsdp")
+        # fp32, as the one-process reference trains ("auto" is bf16 on a CPU with native bf16)
+        wrapped, same_opt = ad.prepare(net, optimizer=opt, strategy="fsdp", precision="fp32")
         facts["same_objects"] = (wrapped is net, same_opt is opt, ad.unwrap(wrapped) is net)
         facts["class"] = type(wrapped).__name__
         facts["group_lrs"] = [g["lr"] for g in opt.param_groups]

@@ -103,7 +103,9 @@ def _preempted_rank(folder):
 
         try:
             with ad.distributed(init_method=init_method, timeout=30, on_preempt=save) as d:
-                net, opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="fsdp")
+                net, opt = ad.prepare(
+                    model(seed=0), optimizer=optimizer, strategy="fsdp", precision="fp32"
+                )
                 pids = ad.all_gather(os.getpid())
                 for s in range(STEPS):
                     out["steps"].append(train_step(net, opt, s, d.rank, 2))

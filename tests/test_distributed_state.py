@@ -44,6 +44,8 @@ def test_the_state_module_imports_by_its_dotted_name_and_ad_distributed_stays_th
 
 
 STEPS = 4  # saved after 2, resumed for 2 more
+#: FSDP in fp32, as the references train ("auto" is bf16 on a CPU with native bf16).
+FSDP_FP32 = {"strategy": "fsdp", "precision": "fp32"}
 GLOBAL = 16  # samples per step
 
 
@@ -216,7 +218,7 @@ def _save_on_two(folder):
     def rank(init_method: str) -> dict:
         with ad.distributed(init_method=init_method, timeout=30) as d:
             out: dict = {}
-            fsdp, fsdp_opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="fsdp")
+            fsdp, fsdp_opt = ad.prepare(model(seed=0), optimizer=optimizer, **FSDP_FP32)
             ddp, ddp_opt = ad.prepare(model(seed=0), optimizer=optimizer, strategy="ddp")
             train(fsdp, fsdp_opt, range(2), d.rank, 2)
             train(ddp, ddp_opt, range(2), d.rank, 2)
@@ -244,7 +246,8 @@ def _resume_on_three(folder):
             out: dict = {}
             runs = [("fsdp", "fsdp"), ("ddp", "fsdp"), ("fsdp", "ddp"), ("one.pt", "fsdp")]
             for saved, strategy in runs:
-                net, opt = ad.prepare(model(seed=9), optimizer=optimizer, strategy=strategy)
+                how = FSDP_FP32 if strategy == "fsdp" else {"strategy": strategy}
+                net, opt = ad.prepare(model(seed=9), optimizer=optimizer, **how)
                 extra = ad.load_state(folder / saved, model=net, optimizer=opt)
                 losses = train(net, opt, range(2, STEPS), d.rank, 3)
                 out[saved, strategy] = (extra, losses, full(net))

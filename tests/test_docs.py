@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -101,15 +102,18 @@ def step(batch=None):
 
 RUNNER = """
 import json, os, sys, tempfile, traceback
-prelude, snippets = json.load(sys.stdin)
+prelude, snippets, shared = json.load(sys.stdin)
 failed = {}
+scope = None
 for name, code in snippets:
     os.chdir(tempfile.mkdtemp())
     given = {"__name__": "prelude"}
     try:
         exec(compile(prelude, "<prelude>", "exec"), given)
         own = code.startswith(("import ", "from "))  # a program: its imports are its own
-        scope = {k: v for k, v in given.items() if not (own and k in ("torch", "nn", "ad", "Path"))}
+        if scope is None or not shared:
+            mine = ("torch", "nn", "ad", "Path") if own else ()
+            scope = {k: v for k, v in given.items() if k not in mine}
         scope["__name__"] = "__main__"
         exec(compile(code, name, "exec"), scope)
     except BaseException:
@@ -141,13 +145,27 @@ def test_every_python_snippet_in_the_readme_and_docs_runs():
     for name, _ in not_run:
         counted[name.split(":")[0]] += 1
     assert {k: v for k, v in counted.items() if v} == NOT_RUN, not_run
-    out = subprocess.run(
-        [sys.executable, "-c", RUNNER],
-        input=json.dumps([PRELUDE, runnable]),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    failed = json.loads(out.stdout.strip().splitlines()[-1])
+    # A snippet that registers the simulated accelerator changes its process for good
+    # ("auto" picks it from then on): those of one file run, in order, in a process of
+    # their own, as one program (the prelude's own device stays the CPU).
+    simulated: dict[str, list[tuple[str, str]]] = {}
+    together = []
+    for name, code in runnable:
+        if "testing." in code:
+            simulated.setdefault(name.split(":")[0], []).append((name, code))
+        else:
+            together.append((name, code))
+    failed: dict[str, str] = {}
+    for shared, group in [(False, together), *((True, g) for g in simulated.values())]:
+        env = {**os.environ, "ANYDEVICE_DEVICE": "cpu"} if shared else None
+        out = subprocess.run(
+            [sys.executable, "-c", RUNNER],
+            input=json.dumps([PRELUDE, group, shared]),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        failed |= json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, "\n\n".join(f"{name}:\n{tb}" for name, tb in failed.items())

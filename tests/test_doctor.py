@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from anydevice.backends.nvml import pci_gpus
 from anydevice.doctor import examine
 from anydevice.doctor.checks import (
+    CPU_WHEEL_COMMAND,
     check_cores,
     check_device_env,
     check_driver,
@@ -15,6 +21,8 @@ from anydevice.doctor.checks import (
 from anydevice.inventory import ProcessInfo
 from machines import GiB, gpu, machine
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_cpu_only_torch_on_a_gpu_machine_fails_with_the_right_wheel():
     inv = machine(torch="2.13.0+cpu", torch_build="CPU", cuda_runtime=None, nvidia_gpus=4,
@@ -25,9 +33,35 @@ def test_cpu_only_torch_on_a_gpu_machine_fails_with_the_right_wheel():
     assert c.fix and c.fix.endswith("whl/cu126")
 
 
-def test_cuda_torch_without_gpu_is_only_information():
-    assert check_torch_build(machine(nvidia_gpus=0), {}).status == "info"
+def test_cuda_torch_without_gpu_is_only_information_with_the_cpu_wheel_line():
+    c = check_torch_build(machine(nvidia_gpus=0), {})
+    assert c.status == "info" and "no NVIDIA GPU here" in c.summary and "2 GB" in c.summary
+    assert c.fix and c.fix.endswith(CPU_WHEEL_COMMAND)
+    assert CPU_WHEEL_COMMAND in (ROOT / "README.md").read_text()  # the README's own line
     assert check_torch_build(machine(gpu(0)), {}).status == "ok"
+
+
+@pytest.mark.skipif(pci_gpus() != 0, reason="needs a machine with no NVIDIA GPU on its bus")
+def test_without_nvml_and_without_a_gpu_nvml_is_not_asked_for():
+    """A CUDA torch on a CPU machine: NVML's library is missing because there is no
+    driver and no GPU; the doctor said to install it."""
+    inv = machine(nvidia_gpus=0, notes=("NVML library not found (libnvidia-ml.so.1).",))
+    c = check_nvml(inv, {})
+    assert c.status == "skip" and "no NVIDIA GPU here" in c.summary, c
+
+
+def test_pci_gpus_counts_nvidia_display_and_3d_controllers_only(tmp_path):
+    for name, vendor, cls in [
+        ("0000:01:00.0", "0x10de", "0x030200"),  # an H100: 3D controller
+        ("0000:02:00.0", "0x10de", "0x030000"),  # a VGA GPU
+        ("0000:01:00.1", "0x10de", "0x040300"),  # its HDMI audio function
+        ("0000:03:00.0", "0x8086", "0x030000"),  # another vendor's GPU
+    ]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "vendor").write_text(vendor + "\n")
+        (tmp_path / name / "class").write_text(cls + "\n")
+    assert pci_gpus(tmp_path) == 2
+    assert pci_gpus(tmp_path / "absent") is None
 
 
 def test_driver_too_old_for_the_runtime_major_fails():

@@ -93,7 +93,8 @@ def test_the_training_step_reports_its_flops_and_mfu(cpu_run):
     fp32 = cpu_run.result("cpu", "matmul-fp32")
     expected = row.step_flops / row.step_fp32 / (fp32.value * 1e9)
     assert row.mfu_fp32 == pytest.approx(expected)
-    assert row.mfu_source == "fp32 matmul measured here"
+    # where the CPU has native bf16 the doctor measures a bf16 matmul too: its own source
+    assert "fp32 matmul measured here" in row.mfu_source.split("; ")
     data = json.loads(json.dumps(cpu_run.to_dict()))["devices"][0]
     assert data["mfu_fp32"] == pytest.approx(expected) and data["step_flops"] == row.step_flops
 

@@ -7,6 +7,7 @@ check the plumbing; no test asserts how fast anything is.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -17,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import anydevice as ad
-from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time
+from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time, timeit
 
 
 class FakeClock:
@@ -314,3 +315,32 @@ def test_timer_misuse_says_what_to_do():
         t.start()
     with pytest.raises(ad.MeasurementError, match="no block"):
         ad.Timer().measurement()
+
+
+def test_device_reaches_a_function_that_takes_it_and_other_shared_keywords_are_refused():
+    """``ad.timeit(torch.ones, n, device=...)`` timed a CPU allocation labelled with the
+    device: ``device=`` went to timeit alone. It now reaches the function too; a keyword
+    whose owner cannot be told (``label=`` of a function that takes one) is refused."""
+    made = []
+
+    def alloc(n, *, device=None):
+        made.append(device)
+        return torch.ones(n, device=device)
+
+    m = timeit(alloc, 16, device="cpu", repeat=1, number=1)
+    assert m.device == "cpu" and made and set(made) == {"cpu"}
+    made.clear()
+    timeit(alloc, 16, repeat=1, number=1)  # not given: the function's own default
+    assert made and set(made) == {None}
+
+    def scaled(x, *, label="y"):
+        return x * 2
+
+    with pytest.raises(TypeError, match=r"label= is timeit's own.*functools\.partial\(scaled"):
+        timeit(scaled, torch.ones(2), label="doubling", repeat=1, number=1)
+    # bound by a partial: no doubt whose it is, and timeit keeps its own
+    m = timeit(functools.partial(scaled, label="z"), torch.ones(2), label="x2", repeat=1)
+    assert m.label == "x2"
+    # a function with **kwargs, or one that does not take the name, is not second-guessed
+    assert timeit(lambda **kw: kw, device="cpu", repeat=1, number=1).device == "cpu"
+    assert timeit(torch.mm, torch.ones(2, 2), torch.ones(2, 2), label="mm", repeat=1).label == "mm"

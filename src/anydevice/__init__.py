@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         StepOrderError,
         VisibilityError,
         WorkerFailedError,
+        WorkerImportError,
     )
     from anydevice.extension import load_extension
     from anydevice.flops import FlopCount, ModuleFlops, flops
@@ -117,6 +118,7 @@ __all__ = [
     "Timer",
     "VisibilityError",
     "WorkerFailedError",
+    "WorkerImportError",
     "__version__",
     "all_gather",
     "all_reduce",
@@ -193,6 +195,7 @@ _SOURCES: dict[str, str] = {
     "StepOrderError": "anydevice.errors",
     "VisibilityError": "anydevice.errors",
     "WorkerFailedError": "anydevice.errors",
+    "WorkerImportError": "anydevice.errors",
     "DeviceInfo": "anydevice.inventory",
     "HostInfo": "anydevice.inventory",
     "Inventory": "anydevice.inventory",

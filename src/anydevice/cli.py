@@ -358,6 +358,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         help="seconds any wait may last: reaching the rendezvous, all nodes joining (default 300)",
     )
     p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds the workers get to save and exit after a signal reaches the launcher "
+        "(SIGTERM, Ctrl-C) before they are killed; a second signal kills them at once "
+        "(default 30)",
+    )
+    p.add_argument(
         "--log-dir",
         "--log_dir",
         dest="log_dir",
@@ -550,6 +559,7 @@ def _launch(args: argparse.Namespace) -> int:
             run_id=args.rdzv_id,
             max_restarts=args.max_restarts,
             timeout=args.timeout,
+            grace=args.grace,
             log_dir=args.log_dir,
             verbose=args.verbose,
         )
@@ -564,7 +574,10 @@ def _launch(args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
     except SystemExit as e:  # SIGTERM, SIGHUP, SIGQUIT: 128 + the signal
         code = e.code if isinstance(e.code, int) else 1
-        if code > 128:
+        report = getattr(e, "report", None)
+        if report:  # the workers stopped for a preemption
+            print(f"anydevice launch: {report}", file=sys.stderr)
+        elif code > 128:
             name = signal.Signals(code - 128).name
             print(
                 f"anydevice launch: stopped by {name}; the workers were stopped.", file=sys.stderr

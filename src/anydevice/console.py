@@ -262,9 +262,12 @@ def results_table(m: Measurements) -> Table:
     for r in m.results:
         share = "-" if r.fraction is None else f"{r.fraction:.0%}"
         peak = "" if r.peak is None else f"{r.peak_source}: {format_rate(r.peak, r.unit)}; "
-        noisy = Text(" (noisy)", style="yellow") if r.noisy else ""
-        table.add_row(r.device, r.title, Text(format_rate(r.value, r.unit)) + noisy, share,
-                      peak + r.detail)  # fmt: skip
+        result = Text(format_rate(r.value, r.unit))
+        if r.noisy:
+            result.append(" (noisy)", style="yellow")
+        if r.conditions:  # the threads it was measured with, and whether others were busy
+            result.append(f"\n{r.conditions}", style="yellow" if r.busy else "dim")
+        table.add_row(r.device, r.title, result, share, peak + r.detail)
     return table
 
 
@@ -297,18 +300,21 @@ def _tflops(value: float | None) -> str:
 
 
 def _mfu(d: DeviceSummary) -> str:
-    """The best step's model FLOPs utilisation, and the fp32 step's where they differ."""
+    """The best step's model FLOPs utilisation, and the fp32 step's where they differ;
+    "invalid" where one would exceed 100 % (the advice says why)."""
     if d.mfu_best is None:
-        return "-"
+        return "invalid" if d.mfu_invalid else "-"
     if d.mode == "fp32" or d.mfu_fp32 is None:
         return f"{d.mfu_best:.1%}"
     return f"{d.mfu_best:.1%} ({d.mfu_fp32:.1%} fp32)"
 
 
 def devices_table(m: Measurements) -> Table:
-    table = Table(title=f"side by side: {m.step}", title_justify="left")
-    for name in ("device", "step fp32", "step best", "x CPU", "MFU", "fp32 TFLOP/s",
-                 "best TFLOP/s", "memory GB/s", "H2D GB/s"):  # fmt: skip
+    table = Table(title=f"side by side: {m.step}; matmuls in TFLOP/s", title_justify="left")
+    # short two-line headers, so 80 columns hold them whole; the matmul rates are the
+    # device's, measured apart from the step, and say so
+    for name in ("device", "step\nfp32", "step\nbest", "x CPU", "step\nMFU",
+                 "matmul\nfp32", "matmul\nbest", "memory\nGB/s", "H2D\nGB/s"):  # fmt: skip
         table.add_column(name, justify="left" if name == "device" else "right")
     for d in m.devices:
         table.add_row(

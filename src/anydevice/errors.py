@@ -49,6 +49,7 @@ __all__ = [
     "StepOrderError",
     "VisibilityError",
     "WorkerFailedError",
+    "WorkerImportError",
 ]
 
 
@@ -152,6 +153,12 @@ class ExtensionError(AnydeviceError, RuntimeError):
     def __init__(self, message: str, *, log: str = "") -> None:
         super().__init__(message)
         self.log = log
+
+
+class WorkerImportError(AnydeviceError, RuntimeError):
+    """Worker processes started with ``spawn`` or ``forkserver`` could not import what they
+    are sent: a class or function defined in an interactive ``__main__`` (a notebook cell,
+    the REPL). Raised before any worker starts; the message names it and the ways out."""
 
 
 class DistributedError(AnydeviceError, RuntimeError):

@@ -7,18 +7,19 @@ breaks with an opaque error when nvcc's CUDA differs from torch's or when ninja 
 compiler is missing, and rebuilds from scratch in each new environment. Here:
 
 - ``.cpp`` sources always build; ``.cu`` sources build only where torch has CUDA, nvcc is
-  found and a GPU is here to build for; otherwise they are left out with one logged line
-  saying why. An operator whose CPU kernel is registered in the ``.cpp``
-  (``TORCH_LIBRARY``) and whose CUDA kernel is registered in the ``.cu``
-  (``TORCH_LIBRARY_IMPL(ns, CUDA, m)``) therefore loads on both kinds of machine.
+  found with torch's CUDA major version and a GPU is here to build for; otherwise they are
+  left out with one logged line saying why (an only-CUDA extension raises instead). An
+  operator whose CPU kernel is registered in the ``.cpp`` (``TORCH_LIBRARY``) and whose
+  CUDA kernel is registered in the ``.cu`` (``TORCH_LIBRARY_IMPL(ns, CUDA, m)``) therefore
+  loads on both kinds of machine.
 - The CUDA architectures are those of the GPUs here, read through NVML (no CUDA context),
   with PTX for the newest so that the code also runs on later GPUs.
 - The build folder lives in the user's cache (``$XDG_CACHE_HOME`` or ``~/.cache``, then
   ``anydevice/extensions``), named by a hash of the sources, flags, Python, torch and
   compiler versions: a second load of the same sources, in any process, costs no compile.
-- A missing compiler, ninja or source, an nvcc whose CUDA major differs from torch's, and a
-  compile error raise :class:`~anydevice.errors.ExtensionError`, which names the missing
-  piece and the fix (for a compile error, the compiler's first errors, not the whole log).
+- A missing compiler, ninja or source, and a compile error raise
+  :class:`~anydevice.errors.ExtensionError`, which names the missing piece and the fix
+  (for a compile error, the compiler's first errors, not the whole log).
 
 The toolchain facts (:func:`find_compiler`, :func:`find_ninja`, :func:`find_nvcc`) are read
 here and by ``anydevice doctor``.
@@ -53,6 +54,7 @@ __all__ = [
     "find_nvcc",
     "first_errors",
     "load_extension",
+    "nvcc_unfit",
 ]
 
 logger = logging.getLogger("anydevice")
@@ -294,30 +296,39 @@ def _path_with(folder: str | None) -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def nvcc_unfit(torch_cuda: str, nvcc: Tool) -> str:
+    """Why ``nvcc`` cannot build CUDA kernels for a torch built with CUDA ``torch_cuda``
+    (``"13.0"``), with the fix; ``""`` when it can. Kernels must be compiled with torch's
+    CUDA major version (common images ship nvcc 12.x beside a torch built for 13)."""
+    if nvcc.path is None:
+        return (
+            f"nvcc was not found ({nvcc.detail}); install the CUDA toolkit {torch_cuda} "
+            "(torch's) or set CUDA_HOME to it"
+        )
+    major = torch_cuda.split(".")[0]
+    if nvcc.version is not None and nvcc.version.split(".")[0] != major:
+        return (
+            f"nvcc is CUDA {nvcc.version} ({nvcc.path}) but torch {torch.__version__} was "
+            f"built with CUDA {torch_cuda}, and CUDA kernels must be compiled with the same "
+            f"major version: install the CUDA {major}.x toolkit and set CUDA_HOME to it, or "
+            f"install a torch built for CUDA {nvcc.version.split('.')[0]}.x"
+        )
+    return nvcc.problem
+
+
 def _cuda_plan(extra_cuda_cflags: Sequence[str]) -> tuple[list[str] | None, str]:
-    """The nvcc flags to build ``.cu`` sources with, or None and why they are left out.
+    """The nvcc flags to build ``.cu`` sources with, or None and why they are left out
+    (no CUDA in torch, no nvcc, an nvcc of another CUDA major, no GPU to build for).
 
     Raises:
-        ExtensionError: nvcc's CUDA major differs from torch's, or a GPU nvcc cannot target.
+        ExtensionError: a GPU here is older than nvcc can target.
     """
     if torch.version.cuda is None:
         return None, f"torch {torch.__version__} is built without CUDA"
     nvcc = find_nvcc()
-    if nvcc.path is None:
-        return None, (
-            f"nvcc was not found ({nvcc.detail}); install the CUDA toolkit "
-            f"{torch.version.cuda} (torch's) or set CUDA_HOME to it"
-        )
-    torch_major = torch.version.cuda.split(".")[0]
-    if nvcc.version is not None and nvcc.version.split(".")[0] != torch_major:
-        raise ExtensionError(
-            f"nvcc is CUDA {nvcc.version} ({nvcc.path}), but torch {torch.__version__} was "
-            f"built with CUDA {torch.version.cuda}: CUDA kernels must be compiled with the "
-            f"same major version. Install the CUDA {torch_major}.x toolkit and set CUDA_HOME "
-            f"to it, or install a torch built for CUDA {nvcc.version.split('.')[0]}.x."
-        )
-    if nvcc.problem:
-        return None, nvcc.problem
+    unfit = nvcc_unfit(torch.version.cuda, nvcc)
+    if unfit or nvcc.path is None:
+        return None, unfit
     user_arch = os.environ.get("TORCH_CUDA_ARCH_LIST") or any(
         "arch" in f for f in extra_cuda_cflags
     )
@@ -420,10 +431,11 @@ def load_extension(
         process (``torch.ops.load_library``) so its operators are in ``torch.ops``.
 
     Raises:
-        ExtensionError: a source does not exist; no C++ compiler or no ninja; nvcc's CUDA
-            major differs from torch's; no ``.cpp`` source and the ``.cu`` ones cannot be
-            built here; the compiler or linker failed (the message has its first errors,
-            ``.log`` the whole output, also written to ``build.log`` in the build folder).
+        ExtensionError: a source does not exist; no C++ compiler or no ninja; no ``.cpp``
+            source and the ``.cu`` ones cannot be built here (no nvcc, an nvcc of another
+            CUDA major than torch's, ...); the compiler or linker failed (the message has
+            its first errors, ``.log`` the whole output, also written to ``build.log`` in
+            the build folder).
     """
     if not name.isidentifier():
         raise ExtensionError(

@@ -8,11 +8,13 @@ How the CUDA path keeps copies and compute overlapped *and* ordered:
    copy, pinning off it is what makes the copy asynchronous.
 2. Handing out batch k: the *consumer's stream* — the stream current when ``next()`` is
    called — waits on the event recorded after batch k's copy, so no kernel reads it early.
-3. Then batch k+1 is issued on the copy stream — if the background thread already holds
-   it: the consumer never waits for the lookahead (a source may make batch k+1 only after
-   the step used batch k, an RL rollout say), and a batch not ready yet is issued when the
-   loop asks for it (one per device for the whole process,
-   :func:`anydevice.streams.copy_stream`): it waits for the work queued so far on the
+3. Then batch k+1 is issued on the copy stream. A source with a length (a list, a
+   map-style DataLoader) makes it whatever the step does, so handing out batch k waits for
+   it if need be; from any other iterator it is issued only if the background thread
+   already holds it — a source may make batch k+1 only after the step used batch k (an RL
+   rollout, a queue the step feeds) — and otherwise when the loop asks for it. The copy
+   stream is one per device for the whole process
+   (:func:`anydevice.streams.copy_stream`); the copy waits for the work queued so far on the
    device's default stream, copies (``non_blocking``, from pinned memory), runs
    ``transform`` and records an event. The copy engine runs it while the GPU computes
    batch k — also when the host synchronises every step (``loss.item()``): the copy waits
@@ -44,11 +46,14 @@ instead of growing over the epoch. On the CPU there is nothing to copy, so by de
 thread either: a batch costs a few microseconds more than iterating the source itself.
 Without the thread (``prefetch=False``) the source is read only when the loop asks for a
 batch, never ahead: reading ahead on the consumer's thread would block it on a source that
-waits for the consumer.
+waits for the consumer. Each batch is then copied on the consumer's stream, not the copy
+stream: read when the step needs it and unpinned, its copy has nothing to overlap with,
+and on a copy stream it would wait for the queued step while the host stages it.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -57,11 +62,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
+
 from anydevice.clocks import xla_step
 from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
+from anydevice.resume import sampler_generator, skip_at_sampler
 from anydevice.selection import DeviceLike
 from anydevice.selection import device as resolve_device
+from anydevice.startmethod import check_loader_workers
 from anydevice.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 
 __all__ = ["DeviceLoader", "LoaderStats"]
@@ -208,7 +217,9 @@ class DeviceLoader(Generic[T]):
             compute; not on the CPU, where there is no copy to hide and the thread only
             competes with the step for the GIL (measured: 13 % slower on a small step).
             Pass False when the source must be read from the calling thread (e.g. it
-            holds a sqlite3 connection); True to prefetch on the CPU anyway.
+            holds a sqlite3 connection): each batch is then read when the loop asks for it
+            and copied on the loop's own stream, asynchronously, with no overlap to gain.
+            True to prefetch on the CPU anyway.
         depth: how many host batches the background thread may hold ready.
 
     Attributes:
@@ -232,6 +243,7 @@ class DeviceLoader(Generic[T]):
             )
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        check_loader_workers(loader)  # a notebook's dataset under spawned workers: say so now
         self.loader = loader
         self.device = resolve_device(device)
         self.transform = transform
@@ -245,17 +257,59 @@ class DeviceLoader(Generic[T]):
         self._epoch_left: int | None = None  #: the sampler's epoch as this loader left it
         self._marks = False  #: the sampler keeps the _LoaderEpoch it is given
         self._active: _Pass | None = None
+        self._resume: dict[str, Any] | None = None  #: load_state_dict's, for the next pass
+        self._generator_state: torch.Tensor | None = None  #: the sampler's, as the pass began
 
     # ------------------------------------------------------------------ source-like API
 
     def __len__(self) -> int:
         try:
-            return len(self.loader)  # type: ignore[arg-type]
+            n = len(self.loader)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
                 f"the wrapped {type(self.loader).__name__} has no len(); DeviceLoader can only "
                 "report the length of a source that has one"
             ) from None
+        # a resumed pass, pending or running: the batches it has left
+        run = self._active
+        if self._resume is not None:
+            return max(0, n - int(self._resume["position"]))
+        return max(0, n - run.skipped) if run is not None and not run.done else n
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: the epoch, the batches handed out in it, whether the epoch
+        is the user's, and the state of its ``RandomSampler``'s generator when the pass
+        began. Saved by ``ad.save_state(..., loader=loader)``; :meth:`load_state_dict`
+        resumes there (see :mod:`anydevice.resume`)."""
+        run = self._active
+        position = run.skipped + run.counters.batches if run is not None and not run.done else 0
+        return {
+            "epoch": int(self._epoch),
+            "epoch_is_users": self._epoch_is_users,
+            "position": position,
+            "generator": None if position == 0 else self._generator_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where :meth:`state_dict` was taken: the next pass runs that epoch from the
+        batch after the last one handed out, in the same order (see
+        :mod:`anydevice.resume` for which samplers keep it), and ``len()`` counts the
+        batches left until that pass ends.
+
+        Raises:
+            ValueError: ``state`` is not a DeviceLoader state (the keys it lacks).
+        """
+        missing = {"epoch", "position"} - set(state)
+        if missing:
+            raise ValueError(
+                f"load_state_dict: not a DeviceLoader state, it lacks {sorted(missing)}; pass "
+                "what loader.state_dict() returned (ad.save_state(..., loader=loader) saves it)"
+            )
+        if state.get("epoch_is_users"):
+            self.set_epoch(int(state["epoch"]))
+        else:
+            self._epoch = int(state["epoch"])
+        self._resume = {"position": int(state["position"]), "generator": state.get("generator")}
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the source's sampler (e.g. a DistributedSampler), now.
@@ -352,7 +406,22 @@ class DeviceLoader(Generic[T]):
         if self._active is not None:
             self._active.close()  # a new pass ends the previous one
         self._begin_epoch()
-        run = _Pass(self)
+        resume, self._resume = self._resume, None
+        skip = resume["position"] if resume else 0
+        generator = sampler_generator(self.loader)
+        if generator is not None:
+            if resume and resume.get("generator") is not None:
+                generator.set_state(resume["generator"])  # the resumed pass's order
+            self._generator_state = generator.get_state()
+        undo = skip_at_sampler(self.loader, skip)  # no batch loaded for what was seen
+        try:
+            run = _Pass(self, skip=skip, by_hand=undo is None)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+        if undo is not None:
+            run.undo = undo
         self._counters = run.counters
         self._active = run
         try:
@@ -485,6 +554,16 @@ class _Producer:
             )
 
 
+def _has_length(source: Iterable[Any]) -> bool:
+    """Whether ``source`` says how many batches it has (a DataLoader over an iterable
+    dataset without ``__len__`` raises ``TypeError``: it has none)."""
+    try:
+        len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 def _has_workers(source: Iterator[Any]) -> bool:
     """Whether ``source`` is a DataLoader iterator with worker processes."""
     return callable(getattr(source, "_shutdown_workers", None))
@@ -512,8 +591,10 @@ def shut_down(source: Iterator[Any]) -> None:
 class _Pass:
     """One pass over the source: the producer, the issued-ahead batch, the counters."""
 
-    def __init__(self, owner: DeviceLoader[Any]) -> None:
+    def __init__(self, owner: DeviceLoader[Any], skip: int = 0, by_hand: bool = False) -> None:
         self.owner = owner
+        self.skipped = skip  #: batches of this epoch handed out before a resume
+        self.undo: Callable[[], None] | None = None  #: puts back a sampler skip_at_sampler set
         self.device = owner.device
         # CUDA's streams, or torch.Stream's (XPU, ...); None: moves are synchronous. Its
         # copy stream is one per device for the whole process, never per loader or pass:
@@ -522,14 +603,30 @@ class _Pass:
         if self.copier is not None:
             self.device = self.copier.device  # with its index: compared with tensors' below
         self.xla = self.device.type == "xla"
+        # Without the thread a batch is read when the loop asks for it and comes pageable
+        # (pinning on this thread costs more than the copy). On the copy stream that copy
+        # would wait for the step queued so far, and a pageable copy is staged by the host
+        # meanwhile: no overlap, and the host held. It goes on the consumer's stream
+        # instead, after the step it follows, and the host goes on at once.
+        self.on_consumer = self.copier is not None and not owner.prefetch
+        if self.on_consumer:
+            self.copier = None
         self.counters = _Counters(None if self.copier is None else self.copier.times)
         self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
         self.done = False
         self.error: BaseException | None = None  # raised by the source after batch k was issued
         self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
+        if by_hand:  # a resumed pass over a source that cannot skip at its sampler
+            for _ in itertools.islice(self.source, skip):
+                pass
         self.producer: _Producer | None = None
         if owner.prefetch:
             self.producer = _Producer(self.source, self.copier, owner.depth)
+        # A source with a length (a list, a map-style DataLoader) makes batch k+1 whatever
+        # the consumer does: handing out batch k may wait for it, so its copy always
+        # overlaps step k. Any other iterator may make it only after the step (a feedback
+        # loop): batch k+1 is then issued only if it is already there.
+        self.lookahead_waits = self.producer is not None and _has_length(owner.loader)
 
     # -- fetching on the host
 
@@ -586,7 +683,9 @@ class _Pass:
             c.pinned = pinned if c.pinned is None else (c.pinned and pinned)
         copier = self.copier
         if copier is None:
-            moved = to(batch, self.device)
+            # on_consumer: from pageable memory an asynchronous copy returns once the host
+            # staged it, so the source may be reused; the consumer's stream orders the rest
+            moved = to(batch, self.device, non_blocking=True if self.on_consumer else "auto")
             if self.owner.transform is not None:
                 moved = self.owner.transform(moved)
             if self.device.type != "cpu" and nbytes == 0:
@@ -639,10 +738,10 @@ class _Pass:
         elif self.xla and self.counters.batches:
             xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
         try:
-            # Batch k+1 starts moving while batch k computes, if the source has made it: a
-            # source may make it only after the consumer used batch k (a feedback loop), so
-            # this never waits; the next call fetches it then.
-            self._issue(block=False)
+            # Batch k+1 starts moving while batch k computes. A source without a length may
+            # make it only after the consumer used batch k (a feedback loop): then this
+            # never waits, and the next call fetches it.
+            self._issue(block=self.lookahead_waits)
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
         c = self.counters
@@ -651,6 +750,9 @@ class _Pass:
         return batch
 
     def close(self) -> None:
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
         if self.producer is not None:
             self.producer.close()
             if not self.producer.thread.is_alive():

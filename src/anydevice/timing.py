@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -411,7 +412,10 @@ def timeit(
     Args:
         fn: the function; ``args`` and ``kwargs`` are passed to it. Keyword arguments with
             the names below go to ``timeit``: wrap ``fn`` in a lambda or
-            ``functools.partial`` to pass such names to it.
+            ``functools.partial`` to pass such names to it. ``device=`` also goes to an
+            ``fn`` that takes it (``ad.timeit(torch.ones, n, device="cuda")`` allocates
+            on the GPU it times); where ``fn`` takes one of the others too, ``timeit``
+            refuses with a ``TypeError`` rather than guess whose it is.
         warmup: calls before anything is measured.
         repeat: samples; None collects about ``min_time`` seconds of them (5 to 1000).
         number: calls per sample; None chooses so the clock costs under 0.1% of a sample.
@@ -430,6 +434,8 @@ def timeit(
 
     Raises:
         ValueError: a negative ``warmup``, ``min_time``, or a ``number``/``repeat`` below 1.
+        TypeError: ``fn`` is not callable, or takes a keyword of ``timeit``'s own (not
+            ``device``) that was given.
         DeviceNotFoundError: ``device`` names a device that is not here.
     """
     if not callable(fn):
@@ -438,6 +444,19 @@ def timeit(
             "pass it with its arguments, as in ad.timeit(model, x) or ad.timeit(torch.mm, a, b)"
         )
     _check_counts(warmup=warmup, repeat=repeat, number=number, min_time=min_time)
+    if device is not None and "device" not in kwargs and _takes(fn, "device"):
+        kwargs["device"] = device  # ad.timeit(torch.ones, n, device="cuda"): where both run
+    _refuse_shared_keywords(
+        fn,
+        label=label,
+        number=number,
+        repeat=repeat,
+        clock=clock,
+        flops=flops,
+        **({"warmup": warmup} if warmup != 3 else {}),
+        **({"min_time": min_time} if min_time != 0.2 else {}),
+        **({"flush_l2": flush_l2} if flush_l2 else {}),
+    )
     call: Callable[[], object] = functools.partial(fn, *args, **kwargs) if args or kwargs else fn
     found = None if device is not None else device_of_arguments(iter((*args, *kwargs.values())))
     from anydevice.throughput import rates_for
@@ -476,6 +495,64 @@ def timeit(
         overhead=plan.overhead,
         **({} if counted is None else rates_for(counted, dev, (*args, *kwargs.values()))),
     )
+
+
+#: What each of timeit's own keywords means, for the message when ``fn`` takes it too.
+_OWN = {
+    "label": "the measurement's name",
+    "number": "calls per sample",
+    "repeat": "samples",
+    "warmup": "calls before timing",
+    "min_time": "seconds of samples",
+    "flush_l2": "cold-cache samples",
+    "clock": "the clock",
+    "flops": "FLOPs per call",
+}
+
+
+def _takes(fn: Callable[..., object], name: str) -> bool:
+    """Whether ``fn`` takes keyword ``name`` and a ``functools.partial`` does not bind it."""
+    bound = set(fn.keywords) if isinstance(fn, functools.partial) else set()
+    return name not in bound and name in _keywords_of(fn)
+
+
+def _refuse_shared_keywords(fn: Callable[..., object], **given: object) -> None:
+    """Refuse a keyword of timeit's own, other than ``device``, that ``fn`` takes too
+    (``label=``, ``number=``, ...): whose it is cannot be told. ``given`` holds the
+    keywords the caller set (None: not set); a ``functools.partial`` that already binds
+    the name is not ambiguous."""
+    names = {k for k, v in given.items() if v is not None}
+    if not names:
+        return
+    clash = sorted(n for n in names if _takes(fn, n))
+    if not clash:
+        return
+    name = clash[0]
+    inner = getattr(fn, "func", fn)
+    fn_name = getattr(inner, "__name__", None) or _name(fn) or "fn"
+    raise TypeError(
+        f"ad.timeit({fn_name}, ..., {name}={given[name]!r}): {name}= is timeit's own "
+        f"({_OWN[name]}) and {fn_name} takes one too. Give {fn_name} its own as "
+        f"functools.partial({fn_name}, {name}={given[name]!r}), and timeit's besides if "
+        "you want both."
+    )
+
+
+def _keywords_of(fn: Callable[..., object]) -> set[str]:
+    """The keyword names ``fn`` takes by name, where they can be known: its signature, or
+    for torch's builtins the signature their docstring opens with. Empty for a function
+    with ``**kwargs`` (anything may be meant) or one that says nothing."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        first = (getattr(fn, "__doc__", None) or "").strip().split("\n", 1)[0]
+        return set(re.findall(r"\b(\w+)=", first))
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return set()
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in by_name}
 
 
 def _check_counts(*, warmup: int, repeat: int | None, number: int | None, min_time: float) -> None:

@@ -236,6 +236,25 @@ def driver_present() -> bool:
     return Path("/proc/driver/nvidia/gpus").is_dir()
 
 
+def pci_gpus(root: str | os.PathLike[str] = "/sys/bus/pci/devices") -> int | None:
+    """NVIDIA GPUs on the PCI bus, driver loaded or not: functions of vendor ``0x10de``
+    whose class is a display or 3D controller (``0x0300``/``0x0302``). None where the bus
+    cannot be read (not Linux, no sysfs)."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return None
+    count = 0
+    for dev in folder.iterdir():
+        try:
+            vendor = (dev / "vendor").read_text().strip().lower()
+            cls = (dev / "class").read_text().strip().lower()
+        except OSError:
+            continue
+        if vendor == "0x10de" and cls.startswith(("0x0300", "0x0302")):
+            count += 1
+    return count
+
+
 def _init(library: Any | None) -> Any:
     nv: Any = library
     if nv is None:

@@ -8,6 +8,8 @@
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
 * :mod:`~anydevice.distributed.parallel` — ``prepare()`` / ``unwrap()``: DDP, DP, samplers.
+* :mod:`~anydevice.distributed.accumulation` — ``d.accumulate()``: micro-batches that make
+  one optimizer step, one gradient reduction per step.
 * :mod:`~anydevice.distributed.sharding` — FSDP2 as ``prepare(strategy="fsdp")`` applies it.
 * :mod:`~anydevice.distributed.state` — ``save_state()`` / ``load_state()`` on any world size.
 * :mod:`~anydevice.distributed.collectives` — ``all_reduce``, ``all_gather``, ``broadcast``,

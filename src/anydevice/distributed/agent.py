@@ -31,38 +31,38 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anydevice.distributed import rendezvous
-from anydevice.distributed.failures import worker_failed
+from anydevice.distributed import reaper, rendezvous
+from anydevice.distributed.failures import preempted, preemption, worker_failed
 from anydevice.distributed.rendezvous import LOOPBACK
 from anydevice.errors import DistributedTimeoutError
 
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
 
-__all__ = ["LOOPBACK", "run_agent", "scoped_environ"]
+__all__ = ["LOOPBACK", "Preempted", "run_agent", "scoped_environ"]
 
 logger = logging.getLogger("anydevice")
 
-#: Seconds a stopped worker gets between SIGTERM (when it dumps its stacks) and SIGKILL.
+#: Seconds a worker stopped because another failed gets between SIGTERM (when it dumps
+#: its stacks) and SIGKILL. After a signal to the launcher, the workers get the launch's
+#: ``grace`` instead.
 _STOP_GRACE = 5
 
-#: The guardian: waits for its stdin to close (the launcher is gone, however it went),
-#: then removes the launch directory. No imports beyond the standard library's smallest.
-_GUARDIAN = """\
-import os, shutil, signal, sys, time
-for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-    signal.signal(s, signal.SIG_IGN)
-sys.stdin.buffer.read()
-for _ in range(20):
-    shutil.rmtree(sys.argv[1], ignore_errors=True)
-    if not os.path.exists(sys.argv[1]):
-        break
-    time.sleep(0.25)
-"""
+
+class Preempted(SystemExit):
+    """The workers stopped for a preemption signal: ``on_preempt`` ran on each and they
+    exited with ``128 + signal`` (the exit code). ``report`` says which rank the signal
+    reached and how long they took."""
+
+    def __init__(self, code: int, report: str) -> None:
+        super().__init__(code)
+        self.report = report
+
 
 #: Torch's NCCL flight recorder: each rank's last collectives, dumped on a timeout.
 _FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
@@ -82,7 +82,6 @@ def run_agent(
     or an executable (``sys.executable`` with the runner's arguments, for scripts).
     """
     from torch.distributed.elastic.agent.server.api import WorkerSpec
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import (
@@ -98,6 +97,7 @@ def run_agent(
         private = stack.enter_context(_launch_dir())
         root = str(log_dir) if log_dir is not None else os.path.join(private, "logs")
         stack.enter_context(scoped_environ(_worker_environ(chosen, private, verbose)))
+        stack.enter_context(reaper.subreaper(private))
         stack.enter_context(_scoped_signal_handlers())
         stack.enter_context(_quiet_torch(verbose))
         if callable(entrypoint):
@@ -118,15 +118,19 @@ def run_agent(
                 monitor_interval=0.1,
                 local_addr=chosen.local_addr,
             )
-            agent = LocalElasticAgent(
+            agent = _agent_type()(
                 spec=spec,
                 logs_specs=DefaultLogsSpecs(log_dir=root),
                 start_method=chosen.start_method,
                 exit_barrier_timeout=timeout,
                 shutdown_timeout=_STOP_GRACE,
+                grace=chosen.grace,
             )
             result = agent.run()
         except SignalException as e:
+            report = preempted(agent.records(), signalled=e.sigval, took=agent.took)
+            if report is not None:
+                raise Preempted(*report) from None
             if e.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
             raise SystemExit(128 + int(e.sigval)) from None
@@ -144,6 +148,9 @@ def run_agent(
         if result is None:  # torch's agent returns nothing when the rendezvous was closed
             raise rendezvous.closed(chosen)
         if result.is_failed():
+            report = preempted(agent.records())
+            if report is not None:
+                raise Preempted(*report)
             raise worker_failed(
                 result, nprocs=chosen.nproc_per_node, launch_dir=private, keep=log_dir
             )
@@ -214,13 +221,13 @@ def _loopback_interface() -> str | None:
 @contextlib.contextmanager
 def _launch_dir() -> Iterator[str]:
     """A private directory for the launch, removed afterwards — by this process, or by
-    the guardian when this process is killed."""
+    the guardian (:func:`anydevice.distributed.reaper.guard`) when this process is killed,
+    which then also ends what the workers left running."""
     path = tempfile.mkdtemp(prefix="anydevice-launch-")
     guardian = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _GUARDIAN, path],
+        [sys.executable, "-I", "-S", reaper.__file__, path, str(os.getpid())],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
         start_new_session=True,  # a Ctrl-C to the terminal's process group spares it
     )
     try:
@@ -228,7 +235,10 @@ def _launch_dir() -> Iterator[str]:
     finally:
         shutil.rmtree(path, ignore_errors=True)
         if guardian.stdin is not None:
-            guardian.stdin.close()
+            with contextlib.suppress(OSError):
+                guardian.stdin.write(reaper.DONE)  # the launch's processes are ended
+            with contextlib.suppress(OSError):
+                guardian.stdin.close()
         try:
             guardian.wait(10)
         except subprocess.TimeoutExpired:
@@ -270,3 +280,97 @@ def _quiet_torch(verbose: bool) -> Iterator[None]:
     finally:
         for lg, disabled in saved:
             lg.disabled = disabled
+
+
+def _agent_type() -> type[Any]:
+    """torch's ``LocalElasticAgent``, which gives the workers ``grace`` seconds to exit
+    after a signal to the launcher (torch gives them ``shutdown_timeout``, the same as
+    after a failure): the signal is passed on at once, the workers save and exit (a
+    preemption's ``on_preempt``), and only those still running after ``grace`` are
+    killed. A second signal kills them at once."""
+    from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    class GracefulAgent(LocalElasticAgent):
+        def __init__(self, *args: Any, grace: float, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.grace = grace
+            self.signalled: signal.Signals | None = None
+            self.took: float | None = None  #: seconds from the signal to the workers' exit
+
+        def records(self) -> dict[int, str]:
+            """The error file of each worker (global rank -> path) of the last attempt."""
+            if self._pcontext is None:
+                return {}
+            ranks = {w.local_rank: w.global_rank for w in self._worker_group.workers}
+            files = self._pcontext.error_files.items()
+            return {ranks.get(local, local): str(path) for local, path in files}
+
+        def _invoke_run(self, role: str = DEFAULT_ROLE) -> Any:
+            try:
+                return super()._invoke_run(role)
+            except SignalException as e:
+                self.signalled = e.sigval
+                raise
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            preempting = any(preemption(p) for p in self.records().values())
+            if self._pcontext is None or (self.signalled is None and not preempting):
+                super()._shutdown(death_sig, min(timeout, _STOP_GRACE))
+                return
+            try:
+                left = self._wait_out(death_sig)
+                super()._shutdown(signal.SIGKILL if left else death_sig, _STOP_GRACE)
+            except SignalException as again:
+                logger.warning("anydevice: %s again: stopping the workers now.", again.sigval.name)
+                for _ in range(10):  # however many more come
+                    with contextlib.suppress(SignalException):
+                        super()._shutdown(signal.SIGKILL, _STOP_GRACE)
+                        break
+
+        def _wait_out(self, sig: signal.Signals) -> list[int]:
+            """Pass ``sig`` on to the workers and wait up to ``grace`` seconds for them to
+            exit; the pids of those still running then."""
+            assert self._pcontext is not None
+            start = time.monotonic()
+            pids = [p for p in self._pcontext.pids().values() if _running(p)]
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            said = False
+            while (left := [p for p in pids if _running(p)]) and (
+                time.monotonic() - start < self.grace
+            ):
+                if not said and time.monotonic() - start > 1:
+                    logger.warning(
+                        "anydevice: waiting up to %g s for the workers to exit (grace=, "
+                        "--grace); a second signal stops them now.",
+                        self.grace,
+                    )
+                    said = True
+                time.sleep(0.05)
+            self.took = time.monotonic() - start
+            if left:
+                logger.warning(
+                    "anydevice: %d worker(s) still running %g s after %s (grace=, --grace): "
+                    "killing them.",
+                    len(left),
+                    self.grace,
+                    sig.name,
+                )
+            return left
+
+    return GracefulAgent
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    if reaper.PROC:
+        entry = reaper.entry(pid)
+        return entry is not None and entry.state not in "ZX"
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -27,15 +27,18 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from anydevice import selection
-from anydevice.distributed import environment, preemption
+from anydevice.distributed import accumulation, environment, preemption
+from anydevice.distributed.accumulation import Accumulation
 from anydevice.distributed.environment import World
 from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
@@ -47,6 +50,8 @@ logger = logging.getLogger("anydevice")
 
 #: The collective backend torch recommends for each device kind.
 _BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,54 @@ class Distributed:
         it does nothing."""
         if self.preemption is not None:
             self.preemption.check()
+
+    def accumulate(
+        self,
+        model: nn.Module,
+        loader: Iterable[T] | None = None,
+        *,
+        micro_batches: int | None = None,
+        global_batch: int | None = None,
+    ) -> Accumulation[T]:
+        """Make every ``micro_batches`` batches of ``loader`` one optimizer step, with one
+        gradient reduction per step (DDP, FSDP2) instead of one per micro-batch.
+
+        >>> import anydevice as ad
+        >>> net = torch.nn.Linear(2, 1)
+        >>> with ad.distributed() as d:
+        ...     for step in d.accumulate(net, [torch.ones(4, 2)] * 6, micro_batches=3):
+        ...         for x in step:
+        ...             step.scale(net(x).sum()).backward()   # loss / 3
+        ...         print(step.index, step.size)
+        0 3
+        1 3
+
+        ``global_batch=`` (samples per step over all ranks) derives ``micro_batches``
+        from the loader's batch size and this world's size. See
+        :func:`~anydevice.distributed.accumulation.accumulate` for the whole loop.
+
+        Raises:
+            ValueError: neither or both of ``micro_batches`` and ``global_batch``, or a
+                ``global_batch`` that is not a whole number of micro-batches.
+        """
+        return accumulation.accumulate(
+            model,
+            loader,
+            micro_batches=micro_batches,
+            global_batch=global_batch,
+            world_size=self.world_size,
+        )
+
+    def micro_batch_size(self, global_batch: int, fits: int) -> int:
+        """The largest micro-batch ``<= fits`` (what ``ad.fit_batch_size`` found) that
+        makes a step of ``global_batch`` samples over this world's ranks exactly.
+
+        >>> import anydevice as ad
+        >>> with ad.distributed() as d:
+        ...     d.micro_batch_size(512, fits=100)   # 512 = 8 x 64
+        64
+        """
+        return accumulation.micro_batch_size(global_batch, fits, self.world_size)
 
     def barrier(self) -> None:
         """Wait until every rank gets here; returns at once in a world of one."""

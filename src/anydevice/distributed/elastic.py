@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from anydevice.distributed import environment
-from anydevice.distributed.agent import LOOPBACK, run_agent, scoped_environ
+from anydevice.distributed.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.distributed.environment import World
 from anydevice.errors import DeviceNotFoundError, DistributedError
 from anydevice.inventory import Inventory
@@ -72,6 +72,7 @@ class LaunchPlan:
     start_method: str
     local_addr: str | None
     env: dict[str, str] = field(default_factory=dict)  #: set in the launcher for the run
+    grace: float = 30.0  #: seconds the workers get to exit after a signal to the launcher
 
     @property
     def standalone(self) -> bool:
@@ -101,6 +102,7 @@ def launch(
     max_restarts: int = 0,
     start_method: str = "spawn",
     timeout: float = 300.0,
+    grace: float = 30.0,
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
 ) -> dict[int, T]:
@@ -139,8 +141,15 @@ def launch(
         max_restarts: how often to restart the workers of this node after a failure.
         start_method: ``"spawn"`` (default), ``"forkserver"`` or ``"fork"`` (faster, but
             unsafe once CUDA or ``torch._dynamo`` was loaded in this process).
-        timeout: seconds that any wait of the launcher may last: reaching the rendezvous,
-            all nodes joining, the nodes finishing together.
+        timeout: seconds that any wait of the launcher may last: reaching the rendezvous
+            (connecting, and each answer of its store), all nodes joining, the nodes
+            finishing together.
+        grace: seconds the workers get to exit after a signal reaches the launcher
+            (SIGTERM from a scheduler, Ctrl-C): the signal is passed on at once, a worker
+            with ``ad.distributed(on_preempt=save)`` saves and exits, and only workers
+            still running after ``grace`` are killed. A second signal kills them at once.
+            Keep it below the scheduler's own (SLURM's ``KillWait``, Kubernetes'
+            ``terminationGracePeriodSeconds``, 30 s by default).
         log_dir: keep each worker's logs and error files there (default: a temporary
             directory, removed afterwards, also when the launcher is killed).
         verbose: let torch elastic's own log lines through, and have each failing worker
@@ -160,7 +169,10 @@ def launch(
             rendezvous endpoint could not be reached within it.
         KeyboardInterrupt: SIGINT (Ctrl-C) reached the launcher; the workers were stopped.
         SystemExit: SIGTERM, SIGHUP or SIGQUIT reached the launcher; the workers were
-            stopped; the code is 128 + the signal's number (143 for SIGTERM).
+            stopped; the code is 128 + the signal's number (143 for SIGTERM). Also when
+            the workers stopped for a preemption (``on_preempt`` ran on each, and they
+            exited with 128 + the signal), with a line saying which rank the signal
+            reached.
         DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
             ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``, a
             script that calls ``launch`` outside ``if __name__ == "__main__":``, which
@@ -173,10 +185,23 @@ def launch(
         return _run_in_place(fn, args, world, nprocs)
     _check_main_guard(start_method)
     chosen = _plan_here(
-        world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, start_method, timeout
+        world,
+        nprocs,
+        nnodes,
+        node_rank,
+        rdzv_endpoint,
+        run_id,
+        max_restarts,
+        start_method,
+        timeout,
+        grace,
     )
     _check_sendable(fn, args, start_method)
-    results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir, verbose=verbose)
+    try:
+        results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir, verbose=verbose)
+    except Preempted as e:
+        logger.warning("anydevice: %s", e.report)
+        raise
     return results
 
 
@@ -192,6 +217,7 @@ def launch_script(
     run_id: str | None = None,
     max_restarts: int = 0,
     timeout: float = 300.0,
+    grace: float = 30.0,
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
 ) -> int:
@@ -218,7 +244,16 @@ def launch_script(
         runner.run(target, list(args), module=module)
         return 0
     chosen = _plan_here(
-        world, nprocs, nnodes, node_rank, rdzv_endpoint, run_id, max_restarts, "spawn", timeout
+        world,
+        nprocs,
+        nnodes,
+        node_rank,
+        rdzv_endpoint,
+        run_id,
+        max_restarts,
+        "spawn",
+        timeout,
+        grace,
     )
     head = ["-u", "-m", "anydevice.distributed.runner", *(["-m"] if module else [])]
     run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir, verbose=verbose)
@@ -268,6 +303,7 @@ def plan(
     max_restarts: int = 0,
     start_method: str = "spawn",
     timeout: float = 300.0,
+    grace: float = 30.0,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
@@ -294,6 +330,11 @@ def plan(
         raise DistributedError(f"max_restarts must be >= 0 (got {max_restarts}).")
     if timeout <= 0:
         raise DistributedError(f"timeout must be a positive number of seconds (got {timeout}).")
+    if not 0 <= grace < float("inf"):
+        raise DistributedError(
+            f"grace={grace!r}: give the seconds the workers may take to exit after a signal, "
+            "0 or more (default 30)."
+        )
     configs: dict[str, Any] = {"join_timeout": int(max(1, round(timeout)))}
     local_addr: str | None
     if max_nodes == 1 and rdzv_endpoint is None:
@@ -335,6 +376,7 @@ def plan(
         start_method=start_method,
         local_addr=local_addr,
         env=extra,
+        grace=float(grace),
     )
 
 
@@ -348,6 +390,7 @@ def _plan_here(
     max_restarts: int,
     start_method: str,
     timeout: float,
+    grace: float = 30.0,
 ) -> LaunchPlan:
     if world.launcher == "slurm":  # one task per node: SLURM says where the nodes meet
         nnodes, node_rank = world.nnodes, world.node_rank
@@ -363,6 +406,7 @@ def _plan_here(
         max_restarts=max_restarts,
         start_method=start_method,
         timeout=timeout,
+        grace=grace,
         cores=inv.host.cores_usable,
     )
 

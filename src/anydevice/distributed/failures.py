@@ -35,6 +35,7 @@ import time
 import traceback as tb
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from anydevice.errors import DistributedTimeoutError, WorkerFailedError
@@ -42,8 +43,11 @@ from anydevice.errors import DistributedTimeoutError, WorkerFailedError
 __all__ = [
     "flight_summary",
     "is_consequence",
+    "preempted",
+    "preemption",
     "read_stacks",
     "record",
+    "record_preemption",
     "stacks_file",
     "worker_failed",
 ]
@@ -70,6 +74,19 @@ _LAUNCHER_FRAMES = (
     "torch/multiprocessing/",
     "<frozen runpy>",
     '"<string>"',
+)
+
+#: Frames that start a rank and run its code, before the user's own: left off the top of
+#: a recorded traceback (a traceback of nothing else keeps them).
+_STARTING_FRAMES = (
+    "anydevice/distributed/runner.py",
+    "anydevice/distributed/context.py",
+    "/contextlib.py",
+    "<frozen runpy>",
+    "/runpy.py",
+    "torch/distributed/elastic/",
+    "/multiprocessing/",
+    "<string>",
 )
 
 #: What a rank that NCCL's watchdog aborted (SIGABRT, with a flight recorder dump) says.
@@ -103,26 +120,70 @@ def record(error: BaseException, path: str | None = None) -> bool:
 
     The format is torch's (``message.message``, ``message.extraInfo.py_callstack``,
     ``...timestamp`` in whole seconds) with an ``anydevice`` entry: ``time`` (seconds, as
-    ``time.time()``) and ``consequence``.
+    ``time.time()``), ``consequence`` and ``pid``. The traceback starts at the user's
+    first frame: the frames that started the rank (the runner, ``runpy``, the
+    ``ad.distributed`` block's own) are left off its top.
     """
-    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return False
-    now = time.time()
-    trace = "".join(tb.format_exception(type(error), error, error.__traceback__))
-    data = {
-        "message": {
-            "message": f"{type(error).__name__}: {error}",
-            "extraInfo": {"py_callstack": trace, "timestamp": str(int(now))},
-        },
-        "anydevice": {"time": now, "consequence": is_consequence(error)},
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp"
-    with open(partial, "w") as f:
-        json.dump(data, f)
-    os.replace(partial, path)  # the launcher never reads half a record
-    return True
+    trace = "".join(tb.format_exception(type(error), error, _users_frames(error)))
+    return _write(
+        path,
+        f"{type(error).__name__}: {error}",
+        trace,
+        {"consequence": is_consequence(error)},
+    )
+
+
+def record_preemption(sig: signal.Signals, received: signal.Signals | None) -> bool:
+    """Write to this worker's error file that it stops for a preemption: the ranks agreed
+    on ``sig``, ``on_preempt`` ran, and it exits with ``128 + sig``; ``received`` is the
+    signal this rank itself received (``None``: only another rank did). Returns whether
+    it wrote (only under a launcher, and only a process's first record)."""
+    message = f"Preempted by {sig.name}: on_preempt ran and the rank exits with code {128 + sig}."
+    preemption = {"signal": sig.name, "received": None if received is None else received.name}
+    return _write(None, message, "", {"consequence": True, "preempted": preemption})
+
+
+def preemption(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The preemption a worker recorded in its error file (:func:`record_preemption`):
+    ``{"signal": "SIGTERM", "received": "SIGTERM" or None}``; ``None`` if it did not."""
+    data = _read(Path(path)) or {}
+    info = (data.get("anydevice") or {}).get("preempted")
+    return info if isinstance(info, dict) else None
+
+
+def preempted(
+    files: dict[int, str],
+    *,
+    signalled: signal.Signals | None = None,
+    took: float | None = None,
+) -> tuple[int, str] | None:
+    """``(exit code, report)`` when the workers stopped for a preemption: each recorded
+    (:func:`record_preemption`) that ``on_preempt`` ran. ``files`` is each local worker's
+    error file (global rank -> path), ``signalled`` the signal the launcher received,
+    if any, ``took`` the seconds from it to the workers' exit. ``None`` when no worker
+    stopped for a preemption, or (without a signal to the launcher) one failed otherwise.
+    """
+    records = {r: info for r, path in files.items() if (info := preemption(path)) is not None}
+    if not records or (signalled is None and len(records) < len(files)):
+        return None
+    sig = signal.Signals[str(records[min(records)].get("signal", "SIGTERM"))]
+    code = 128 + int(sig)
+    saved = ", ".join(map(str, sorted(records)))
+    if signalled is not None:
+        head = f"stopped by {signalled.name}, which was passed on to the workers"
+    else:
+        reached = sorted(r for r, info in records.items() if info.get("received"))
+        where = f"rank(s) {', '.join(map(str, reached))}" if reached else "a rank on another node"
+        head = f"preempted: {sig.name} reached {where}"
+    after = f" {took:.1f} s after the signal" if took is not None else ""
+    report = f"{head}; on_preempt ran on rank(s) {saved}, which exited with code {code}{after}"
+    missing = sorted(set(files) - set(records))
+    if missing:
+        report += (
+            f"; rank(s) {', '.join(map(str, missing))} did not finish it and were stopped "
+            "(give them longer: grace=, --grace)"
+        )
+    return code, report + "."
 
 
 def stacks_file(launch_dir: str | os.PathLike[str], rank: int) -> Path:
@@ -194,6 +255,10 @@ def worker_failed(
         waited = [f for f in failures if f.local_rank not in stopped] or failures
         first = min(waited, key=lambda f: (f.time, f.rank))
         lines = _never_arrived(idle, failures)
+    if first.exitcode == -signal.SIGTERM and (first.trace or first.message):
+        # It raised, then the launcher stopped it before it exited (it stops the others
+        # as soon as one has exited): Python's exit code for an error, not the signal's.
+        first = replace(first, exitcode=1)
     blamed = sorted(idle) if not own and idle else [first.rank]
     others = sorted(
         f.rank for f in failures if f.rank not in blamed and f.local_rank not in stopped
@@ -358,6 +423,38 @@ def _stuck(
     return out
 
 
+def _write(path: str | None, message: str, trace: str, extra: dict[str, Any]) -> bool:
+    path = path or os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return False
+    now = time.time()
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {"py_callstack": trace, "timestamp": str(int(now))},
+        },
+        "anydevice": {"time": now, "pid": os.getpid(), **extra},
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w") as f:
+        json.dump(data, f)
+    os.replace(partial, path)  # the launcher never reads half a record
+    return True
+
+
+def _users_frames(error: BaseException) -> TracebackType | None:
+    """``error``'s traceback from its first frame that did not start the rank."""
+    first = error.__traceback__
+    frame = first
+    while frame is not None:
+        name = frame.tb_frame.f_code.co_filename.replace("\\", "/")
+        if not any(mark in name for mark in _STARTING_FRAMES):
+            return frame
+        frame = frame.tb_next
+    return first
+
+
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -375,10 +472,11 @@ def _from_record(rank: int, local: int, data: dict[str, Any], reported: Any) -> 
     text = str(message.get("message", "")).strip()
     trace = str(info.get("py_callstack", ""))
     stamp = ours.get("time", info.get("timestamp", 0)) or 0
+    pid = ours.get("pid") if reported is None else reported.pid
     return _Failure(
         rank=rank,
         local_rank=local,
-        pid=None if reported is None else reported.pid,
+        pid=pid if isinstance(pid, int) else None,
         exitcode=1 if reported is None else reported.exitcode,
         message=text,
         trace=trace,

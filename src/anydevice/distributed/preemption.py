@@ -18,6 +18,9 @@ turns them into a clean stop:
 3. ``fn`` runs on every rank (typically ``ad.save_state``, itself a collective), then the
    process exits with ``SystemExit(128 + signal)``, the code a shell gives a process the
    signal killed, so schedulers and launchers see a terminated job, not a finished one.
+   Under a launcher the rank first records that it stopped for a preemption (which
+   signal, whether it received it itself) in its error file: ``anydevice launch`` reports
+   a preemption, not a failure, and gives the other ranks its grace to finish saving.
 4. Under SLURM, on ``SIGUSR1`` (the early warning), rank 0 first runs ``scontrol requeue
    <job id>`` so the job comes back and resumes from the checkpoint. ``SIGTERM`` is not
    requeued: it also means ``scancel``, and SLURM requeues preempted jobs itself when
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from anydevice.distributed import failures
 from anydevice.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -123,6 +127,7 @@ class Preemption:
         sig = next(s for s, r in _RANK.items() if r == agreed)
         logger.warning("preemption: %s reached the job; saving and exiting", sig.name)
         self._fn()
+        failures.record_preemption(sig, self._seen)  # for the launcher's report
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if sig == signal.SIGUSR1 and rank == 0:
             self._requeue()

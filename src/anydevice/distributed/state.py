@@ -64,6 +64,7 @@ def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     precision: Precision | None = None,
+    loader: Any = None,
     **extra: Any,
 ) -> Path:
     """Save ``model``, ``optimizer`` and ``extra`` so that :func:`load_state` resumes them.
@@ -84,6 +85,9 @@ def save_state(
         precision: the :func:`anydevice.precision` policy of the loop: its mode and, in
             fp16, the loss scaler's scale and growth tracker are saved with the rest, so a
             resumed run does not start again at a scale of 65536 and skip steps to find it.
+        loader: the :class:`~anydevice.DeviceLoader` of the loop (or anything with
+            ``state_dict()``): its epoch and position within it are saved, per rank, so
+            ``load_state(..., loader=loader)`` resumes mid-epoch at the next batch.
         extra: anything else to restore, per rank: the step, epoch, ``scheduler.state_dict()``,
             ``torch.get_rng_state()``, ... — tensors, numbers, strings and containers of
             them (what ``torch.load(weights_only=True)`` reads back).
@@ -97,6 +101,8 @@ def save_state(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     target = Path(os.fspath(path))
+    if loader is not None:
+        extra = {**extra, _LOADER: _loader_state(loader)}
     precision_state = _precision_state(precision, extra)
     model_state, optim_state = _states(model, optimizer, get_state_dict)
     rank, size = _world()
@@ -119,6 +125,7 @@ def load_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     precision: Precision | None = None,
+    loader: Any = None,
 ) -> dict[str, Any]:
     """Restore ``model`` and ``optimizer`` from :func:`save_state`; return its ``extra``.
 
@@ -133,6 +140,10 @@ def load_state(
             with ``save_state(..., precision=p)`` is restored into it (also across modes:
             see :meth:`~anydevice.Precision.load_state_dict`). A checkpoint saved without
             one leaves it as it is, with a warning on the ``anydevice`` logger.
+        loader: the loop's :class:`~anydevice.DeviceLoader`: its next pass resumes where
+            the one saved with ``save_state(..., loader=loader)`` stopped (the same epoch,
+            from the next batch, in the same order). A checkpoint saved without one
+            leaves it as it is, with a warning.
 
     Returns:
         This rank's ``extra`` (rank ``r`` of the saving world; on ranks that world did not
@@ -168,7 +179,7 @@ def load_state(
         _set(model, optimizer, model_state, optim_state, set_state_dict, options, source)
         if precision is not None:
             _load_precision(precision, saved.get("precision"), source)
-        return dict(saved["extra"])
+        return _restore_loader(loader, dict(saved["extra"]), source)
     manifest = _check_folder(source)
     from torch.distributed.checkpoint import state_dict_loader as dcp
 
@@ -192,7 +203,38 @@ def load_state(
         own = source / f"precision.rank{rank if rank < saved_ranks else 0}.pt"
         saved_precision = checkpoint.load(own, "cpu") if own.exists() else None
         _load_precision(precision, saved_precision, source)
-    return dict(checkpoint.load(extra_file, "cpu"))
+    return _restore_loader(loader, dict(checkpoint.load(extra_file, "cpu")), source)
+
+
+#: The ``extra`` entry a loader's state is saved under.
+_LOADER = "_anydevice_loader"
+
+
+def _loader_state(loader: Any) -> dict[str, Any]:
+    state = getattr(loader, "state_dict", None)
+    if not callable(state):
+        raise TypeError(
+            f"ad.save_state(loader=...) takes the loop's ad.DeviceLoader (or anything with "
+            f"state_dict()), not a {type(loader).__name__}; wrap a DataLoader in "
+            "ad.DeviceLoader to resume it mid-epoch"
+        )
+    return dict(state())
+
+
+def _restore_loader(loader: Any, extra: dict[str, Any], source: Path) -> dict[str, Any]:
+    """``extra`` without the loader's entry, which goes into ``loader``."""
+    state = extra.pop(_LOADER, None)
+    if loader is None:
+        return extra
+    if state is None:
+        logger.warning(
+            "load_state(%s): the checkpoint holds no loader state (saved without loader=); "
+            "the loader starts its epoch from the beginning",
+            source,
+        )
+        return extra
+    loader.load_state_dict(state)
+    return extra
 
 
 def _precision_state(precision: Any, extra: dict[str, Any]) -> dict[str, Any] | None:

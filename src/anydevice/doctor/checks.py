@@ -33,6 +33,10 @@ class Check:
         return asdict(self)
 
 
+#: The pip line for torch's CPU-only build (the README's, for machines without a GPU).
+CPU_WHEEL_COMMAND = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
 def check_torch_build(inv: Inventory, env: Mapping[str, str]) -> Check:
     """A CPU-only torch on a machine with NVIDIA GPUs wastes them."""
     from anydevice.backends.cuda import cuda_wheel_command
@@ -54,7 +58,8 @@ def check_torch_build(inv: Inventory, env: Mapping[str, str]) -> Check:
             title,
             "info",
             f"torch {h.torch} is a {h.torch_build} build, but there is no NVIDIA GPU here; "
-            "it runs on the CPU (the CPU-only build is ~2 GB smaller).",
+            "it runs on the CPU, and the CPU-only build is ~2 GB smaller.",
+            f"For the CPU-only build: {CPU_WHEEL_COMMAND}",
         )
     gpus = f"{h.nvidia_gpus} NVIDIA GPU(s)" if h.nvidia_gpus else "no NVIDIA GPU"
     return Check("torch-build", title, "ok", f"torch {h.torch} ({h.torch_build}); {gpus}.")
@@ -176,9 +181,24 @@ def check_visibility(inv: Inventory, env: Mapping[str, str]) -> Check:
 
 
 def check_nvml(inv: Inventory, env: Mapping[str, str]) -> Check:
-    """Without NVML, anydevice (and nvidia-smi) cannot read GPUs without initialising CUDA."""
+    """Without NVML, anydevice (and nvidia-smi) cannot read GPUs without initialising CUDA.
+    Where there is no NVIDIA GPU (a CUDA torch on a CPU machine) there is nothing to read."""
+    from anydevice.backends.nvml import pci_gpus
+
     title = "NVML (GPU telemetry without a CUDA context)"
     nvml_notes = [n for n in inv.notes if "NVML" in n]
+    if nvml_notes and inv.host.nvidia_gpus == 0:
+        on_bus = pci_gpus()
+        if on_bus:
+            return Check(
+                "nvml",
+                title,
+                "warn",
+                f"{on_bus} NVIDIA GPU(s) on the PCI bus, but no NVIDIA driver is loaded: "
+                "neither torch nor NVML can use them.",
+                "Install the NVIDIA driver (it brings NVML), then reboot.",
+            )
+        return Check("nvml", title, "skip", "no NVIDIA GPU here: nothing for NVML to read.")
     if nvml_notes:
         return Check(
             "nvml",

@@ -278,8 +278,8 @@ def _threads_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
     title = "torch threads = free cores"
     threads, free = run.threads, run.free_cores
     if free is None or threads <= free:
-        note = (f"torch's {threads} thread(s) fit the {free} free core(s)" if free else
-                "the machine's load was not read")  # fmt: skip
+        note = (f"torch's {threads} thread(s) fit the {free} core(s) free when the run "
+                "started" if free else "the machine's load was not read")  # fmt: skip
         run.levers.append(Lever(info.spec, "threads", title, "", "", note=note))
         return
     largest, width = run.step_size or run.plan.step

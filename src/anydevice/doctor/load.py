@@ -40,6 +40,9 @@ class Load:
     torch_threads: int  #: torch.get_num_threads()
     loadavg: float | None = None  #: the 1-minute load average, where the OS has one
     measured_with: int | None = None  #: torch threads the doctor measured with, if not all
+    #: whole cores free when the run started (what the measuring threads and the threads
+    #: lever go by); ``free`` is over the whole run
+    free_at_start: int | None = None
 
     @property
     def free(self) -> int:

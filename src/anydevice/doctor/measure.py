@@ -110,6 +110,8 @@ class Run:
     threads: int = 1  #: torch's threads when the run started
 
     def add(self, m: Measured) -> Measured:
+        if m.threads is None:  # every number says the threads it was measured with
+            m = dataclasses.replace(m, threads=torch.get_num_threads())
         self.results.append(m)
         return m
 
@@ -193,7 +195,7 @@ def run_plan(
     with threads_set(measuring_threads):
         _run_steps(steps, budget, run, cpu, progress)
     load = Load(usable, round(cpu.others_since(start), 2), run.threads, loadavg(),
-                measuring_threads)  # fmt: skip
+                measuring_threads, before.free)  # fmt: skip
     summaries = _summaries(chosen, run)
     batch, width = run.step_size or plan.step
     return Measurements(
@@ -257,7 +259,7 @@ def _mark_noisy(run: Run, before: tuple[int, int]) -> None:
     busy = " (other processes were busy meanwhile)"
     for i in range(before[0], len(run.results)):
         r = run.results[i]
-        run.results[i] = dataclasses.replace(r, noisy=True, detail=r.detail + busy)
+        run.results[i] = dataclasses.replace(r, noisy=True, busy=True, detail=r.detail + busy)
     for i in range(before[1], len(run.levers)):
         if run.levers[i].speedup is not None:
             run.levers[i] = dataclasses.replace(run.levers[i], noisy=True)
@@ -465,8 +467,8 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
         h2d = run.get(d.spec, "h2d-pinned") or run.get(d.spec, "h2d-pageable")
         best, mode = best_of(step) if step else (None, "fp32")
         flops = _step_flops(run) if step else None
-        mfu_fp32, src = _mfu(d, run, flops, step["fp32"][0] if step else None, "fp32")
-        mfu_best, src_best = _mfu(d, run, flops, best, mode)
+        mfu_fp32, src, bad = _mfu(d, run, flops, step["fp32"][0] if step else None, "fp32")
+        mfu_best, src_best, bad_best = _mfu(d, run, flops, best, mode)
         rows.append(
             DeviceSummary(
                 d.spec,
@@ -484,6 +486,7 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
                 mfu_fp32,
                 mfu_best if mode != "fp32" else mfu_fp32,
                 "; ".join(dict.fromkeys(x for x in (src, src_best) if x)),
+                " ".join(dict.fromkeys(x for x in (bad, bad_best) if x)),
             )
         )
     return tuple(rows)
@@ -519,30 +522,61 @@ def _step_flops(run: Run) -> float | None:
 
 def _mfu(
     info: DeviceInfo, run: Run, flops: float | None, seconds: float | None, dtype: str
-) -> tuple[float | None, str]:
+) -> tuple[float | None, str, str]:
     """The step's model FLOPs utilisation against the datasheet peak of ``dtype`` where
     the GPU is in the table, else against the matmul the doctor measured here in that
-    dtype; None where neither is known."""
+    dtype (with the same threads, in the same run): (MFU, its source, why it is invalid).
+    None where neither peak is known, or where the share would exceed 100 % — a peak
+    measured while other processes took cores the step then had — with the reason."""
     if not flops or not seconds:
-        return None, ""
+        return None, "", ""
+    rate = flops / seconds
     table = gpu_peak(info) if info.kind == "cuda" else None
     if table is not None and dtype in table.tflops:
-        return flops / seconds / (table.tflops[dtype] * 1e12), f"{table.model} datasheet"
-    measured = run.get(info.spec, f"matmul-{dtype}")
-    if measured is None or not measured.value:
-        return None, ""
-    return flops / seconds / (measured.value * 1e9), f"{dtype} matmul measured here"
+        peak, source, how = table.tflops[dtype] * 1e12, f"{table.model} datasheet", ""
+    else:
+        measured = run.get(info.spec, f"matmul-{dtype}")
+        if measured is None or not measured.value:
+            return None, "", ""
+        peak, source = measured.value * 1e9, f"{dtype} matmul measured here"
+        how = f" (measured with {measured.conditions})" if measured.conditions else ""
+    if rate > peak:
+        return (
+            None,
+            source,
+            (
+                f"{info.spec}: no {dtype} MFU: the step ran at {rate / 1e9:.3g} GFLOP/s, above "
+                f"the {source}, {peak / 1e9:.3g} GFLOP/s{how}, so that peak is too low (other "
+                "processes took cores while it was measured); measure on a quiet machine."
+            ),
+        )
+    return rate / peak, source, ""
 
 
 def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load) -> tuple[str, ...]:
     out: list[str] = []
-    if load.advice:
-        out.append(
-            f"Other processes kept {load.others:.1f} of {load.usable} cores busy while "
-            f"measuring, and torch runs {load.torch_threads} threads: threads beyond the free "
-            f"cores wait for each other. Set {load.advice}, or measure again when the "
-            "machine is quiet."
-        )
+    threads = next((lv for lv in run.levers if lv.name == "threads" and lv.speedup), None)
+    if load.busy:
+        measured = (f"The numbers were measured with {load.measured_with} thread(s) and are "
+                    "marked busy" if load.measured_with != load.torch_threads else
+                    "The numbers taken meanwhile are marked busy")  # fmt: skip
+        head = (f"Other processes kept {load.others:.1f} of {load.usable} cores busy while "
+                f"measuring. {measured}.")  # fmt: skip
+        if threads is not None and threads.verdict != "use":
+            # the lever measured what fewer threads buy: advice follows its verdict
+            out.append(
+                f"{head} Fewer torch threads than its {load.torch_threads}: "
+                f"{threads.advice} Keep torch's default; measure again when the machine "
+                "is quiet."
+            )
+        elif threads is None and load.advice:
+            out.append(
+                f"{head} torch runs {load.torch_threads} threads: threads beyond the free "
+                f"cores wait for each other. Set {load.advice}, or measure again when the "
+                "machine is quiet."
+            )
+        else:
+            out.append(f"{head} Measure again when the machine is quiet.")
     cpu = next((r for r in rows if r.device == "cpu"), None)
     others = [r for r in rows if r.device != "cpu" and r.vs_cpu]
     cores = inv.host.cores_usable or inv.host.cores_logical
@@ -564,11 +598,14 @@ def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load)
                 "models and batches gain far more."
             )
     elif cpu and cpu.step_best:
+        use = (f"use all {cores} usable cores (torch does by default)" if not load.busy else
+               f"torch uses all {cores} usable cores by default")  # fmt: skip
         out.append(
             f"Only the CPU here: a small training step takes {format_time(cpu.step_best)}. "
-            f"Fine for small models, debugging and inference; use all {cores} usable cores "
-            "(torch does by default) and keep DataLoader workers few."
+            f"Fine for small models, debugging and inference; {use}, and keep DataLoader "
+            "workers few."
         )
+    out += [r.mfu_invalid for r in rows if r.mfu_invalid]
     out += _emulated(inv, run)
     for r in run.results:
         if r.name == "h2d-pinned" and r.fraction is not None and r.fraction < 0.5:

@@ -1,10 +1,12 @@
 """``anydevice doctor --plot FILE``: the measurements as one picture (matplotlib, optional).
 
-Four panels, each bar labelled with its value: matmul throughput per device and dtype, and
-memory and host <-> device bandwidth, each with the datasheet peak as a mark and the share
-of it reached; every lever sorted by its speed-up, with its spread, a line at 1x and its
-verdict (levers that do not apply are listed with the reason); and the same training step
-on every device side by side. The title names the machine and the plan.
+Up to four panels, one under the other, each as tall as its bars and each bar labelled
+with its value: matmul throughput per device and dtype, and memory and host <-> device
+bandwidth, each with the datasheet peak as a mark, the share of it reached and the threads
+it was measured with (and "busy" where other processes took cores meanwhile); every lever
+sorted by its speed-up, with its spread, a line at 1x and its verdict (levers that do not
+apply are listed with the reason); and the same training step on every device side by
+side. A panel with nothing measured is left out. The title names the machine and the plan.
 """
 
 from __future__ import annotations
@@ -78,14 +80,37 @@ def plot(m: Measurements, path: str | Path, inv: Inventory | None = None) -> Pat
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(16, 9), constrained_layout=True)
+    devices = list(dict.fromkeys([*(d.device for d in m.devices),
+                                  *(r.device for r in m.results)]))  # fmt: skip
+    # One column of the panels that have something to show, each as tall as its bars: no
+    # panel left mostly empty on a machine with one device and few levers.
+    panels: list[tuple[int, Any]] = [
+        (n, draw)
+        for n, draw in (
+            (_count(m.results, _MATMUL), lambda ax: _rates(
+                ax, m.results, _MATMUL, devices, "matmul throughput", "FLOP/s")),
+            (_count(m.results, _BANDWIDTH), lambda ax: _rates(
+                ax, m.results, _BANDWIDTH, devices, "bandwidth", "B/s")),
+            (len(m.levers), lambda ax: _levers(ax, m.levers)),
+            (len(_step_bars(m)), lambda ax: _steps(ax, m)),
+        )
+        if n
+    ]  # fmt: skip
+    heights = [n + 2.2 for n, _ in panels] or [1.0]
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(14, 1.6 + 0.42 * sum(heights)),
+        height_ratios=heights,
+        constrained_layout=True,
+        squeeze=False,
+    )
     try:
-        devices = list(dict.fromkeys([*(d.device for d in m.devices),
-                                      *(r.device for r in m.results)]))  # fmt: skip
-        _rates(axes[0][0], m.results, _MATMUL, devices, "matmul throughput", "FLOP/s")
-        _rates(axes[0][1], m.results, _BANDWIDTH, devices, "bandwidth", "B/s")
-        _levers(axes[1][0], m.levers)
-        _steps(axes[1][1], m)
+        for (_, draw), ax in zip(panels, axes[:, 0], strict=False):
+            draw(ax)
+        if not panels:
+            axes[0][0].text(0.5, 0.5, "nothing was measured", ha="center", va="center")
+            axes[0][0].set_axis_off()
         fig.suptitle(_title(m, inv), fontsize=13, fontweight="bold")
         out = Path(path)
         fig.savefig(out, dpi=100)
@@ -117,6 +142,17 @@ def _human(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
+def _count(results: Sequence[Measured], names: Sequence[str]) -> int:
+    return sum(1 for r in results if r.name in names)
+
+
+def _zero_or(fmt: Any) -> Any:
+    """A tick formatter that writes the origin as "0", not "0 ns" or "0 FLOP/s"."""
+    from matplotlib.ticker import FuncFormatter
+
+    return FuncFormatter(lambda x, _: "0" if x == 0 else fmt(x))
+
+
 def _rates(ax: Any, results: Sequence[Measured], names: Sequence[str], devices: Sequence[str],
            title: str, unit: str) -> None:  # fmt: skip
     """Horizontal bars, one per (device, name), with value labels and peak marks."""
@@ -144,17 +180,17 @@ def _rates(ax: Any, results: Sequence[Measured], names: Sequence[str], devices: 
         if p:
             ax.plot([p, p], [i - 0.42, i + 0.42], color="black", linewidth=2.5)
             label += f"  ({v / p:.0%} of {_human(p, unit)} peak)"
+        if r.conditions:  # the threads it ran with, and whether others were busy
+            label += f"  [{r.conditions}]"
         ax.text(v, i, "  " + label, va="center", fontsize=9)
     ax.set_yticks(range(len(rows)), [f"{r.device}  {_short(r.title)}" for r in rows], fontsize=9)
-    ax.set_ylim(max(len(rows), 3) - 0.5, -0.5)  # a few bars stay bars, not slabs
+    ax.set_ylim(len(rows) - 0.5, -0.5)
     if log:
         ax.set_xscale("log")
         ax.set_xlim(min(values) / 2, top * 40)
     else:
-        ax.set_xlim(0, top * 1.6)
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _human(x, unit)))
+        ax.set_xlim(0, top * 1.9)
+    ax.xaxis.set_major_formatter(_zero_or(lambda x: _human(x, unit)))
     marks = "; black mark: datasheet peak" if any(peaks) else ""
     ax.set_title(f"{title} ({'log scale' if log else 'linear'}{marks}; * noisy)", loc="left")
     ax.grid(axis="x", alpha=0.3)
@@ -181,7 +217,7 @@ def _levers(ax: Any, levers: Sequence[Lever]) -> None:
         ax.text(max(s, lv.high or s), i, "  " + text, va="center", fontsize=9)
     labels = [f"{lv.device}  {lv.title}" for lv in measured]
     ax.set_yticks(range(len(measured)), labels, fontsize=9)
-    ax.set_ylim(max(len(measured), 3) - 0.5 + 0.3 * len(absent), -0.5)
+    ax.set_ylim(len(measured) - 0.5 + 0.9 * len(absent), -0.5)
     ax.set_xscale("log")
     span = [v for lv in measured for v in (lv.low or lv.speedup or 1.0, lv.high or 1.0)]
     lo, hi = min([0.8, *span]), max([1.25, *span])
@@ -211,41 +247,43 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _steps(ax: Any, m: Measurements) -> None:
-    """The same training step on every device: seconds per step, fp32 and best mode."""
-    rows = [d for d in m.devices if d.step_fp32 is not None]
-    if not rows:
-        ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
-        return
-    from anydevice.timing import format_time
-
+def _step_bars(m: Measurements) -> list[tuple[str, float, str, str]]:
+    """(label, seconds, colour, note) of each training-step bar: fp32 and the best mode."""
     bars: list[tuple[str, float, str, str]] = []
-    for d in rows:
+    for d in m.devices:
+        if d.step_fp32 is None:
+            continue
         color = _DEVICE_COLORS[len(bars) % len(_DEVICE_COLORS)]
-        assert d.step_fp32 is not None
         vs = f", {d.vs_cpu:.3g}x the CPU" if d.vs_cpu and d.device != "cpu" else ""
-        fp32_mfu = "" if d.mfu_fp32 is None else f", {d.mfu_fp32:.0%} MFU"
-        best_mfu = "" if d.mfu_best is None else f", {d.mfu_best:.0%} MFU"
+        invalid = ", MFU invalid (see the advice)" if d.mfu_invalid else ""
+        fp32_mfu = invalid if d.mfu_fp32 is None else f", {d.mfu_fp32:.0%} MFU"
+        best_mfu = invalid if d.mfu_best is None else f", {d.mfu_best:.0%} MFU"
         first = fp32_mfu + (vs if d.mode == "fp32" else "")
         bars.append((f"{d.device}  fp32", d.step_fp32, color, first))
         if d.mode != "fp32" and d.step_best is not None:
             bars.append((f"{d.device}  {d.mode}", d.step_best, color, best_mfu + vs))
+    return bars
+
+
+def _steps(ax: Any, m: Measurements) -> None:
+    """The same training step on every device: seconds per step, fp32 and best mode."""
+    from anydevice.timing import format_time
+
+    bars = _step_bars(m)
+    rows = [d for d in m.devices if d.step_fp32 is not None]
     top = max(b[1] for b in bars)
     log = top / min(b[1] for b in bars) > 50
     for i, (_, seconds, color, extra) in enumerate(bars):
         ax.barh(i, seconds, color=color, height=0.6)
         ax.text(seconds, i, f"  {format_time(seconds)} per step{extra}", va="center", fontsize=9)
     ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=9)
-    ax.set_ylim(max(len(bars), 3) - 0.5, -0.5)
+    ax.set_ylim(len(bars) - 0.5, -0.5)
     if log:
         ax.set_xscale("log")
         ax.set_xlim(min(b[1] for b in bars) / 2, top * 40)
     else:
-        ax.set_xlim(0, top * 1.7)
-    from matplotlib.ticker import FuncFormatter
-
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: format_time(x)))
+        ax.set_xlim(0, top * 1.9)
+    ax.xaxis.set_major_formatter(_zero_or(format_time))
     threads = ""
     if m.load is not None and m.load.measured_with not in (None, m.load.torch_threads):
         threads = f"\nwith {m.load.measured_with} thread(s): the cores other processes left free"

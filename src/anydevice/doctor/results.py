@@ -36,18 +36,27 @@ class Measured:
     detail: str = ""  #: sizes and timing
     noisy: bool = False  #: the samples spread widely, or other processes were busy
     size: int = 0  #: the problem size the timing reached (n of a matmul, bytes of a copy)
+    threads: int | None = None  #: torch's intra-op threads it was measured with
+    busy: bool = False  #: other processes kept cores busy while it was measured
 
     @property
     def fraction(self) -> float | None:
         """``value`` as a share of ``peak``."""
         return self.value / self.peak if self.peak else None
 
+    @property
+    def conditions(self) -> str:
+        """How it was measured, where that changes the number: ``"1 thread, busy"``."""
+        parts = [] if self.threads is None else [f"{self.threads} thread(s)"]
+        return ", ".join([*parts, "busy"] if self.busy else parts)
+
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fraction": self.fraction}
 
     def __repr__(self) -> str:
         peak = f", {self.fraction:.0%} of {self.peak_source}" if self.fraction else ""
-        return f"Measured({self.device} {self.name}: {self.value:.4g} {self.unit}{peak})"
+        how = f" ({self.conditions})" if self.conditions else ""
+        return f"Measured({self.device} {self.name}: {self.value:.4g} {self.unit}{how}{peak})"
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,9 @@ class DeviceSummary:
     mfu_fp32: float | None = None  #: the fp32 step's share of the device's fp32 peak
     mfu_best: float | None = None  #: the best-mode step's share of that dtype's peak
     mfu_source: str = ""  #: the peak MFU is taken against
+    #: why no MFU is given where one would exceed 100 % (the peak measured under other
+    #: load than the step): "" when the MFUs are valid or simply unknown
+    mfu_invalid: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,19 +179,34 @@ class Measurements:
     def result(self, device: str, name: str) -> Measured | None:
         return find(self.results, device, name)
 
+    def _load(self) -> dict[str, Any] | None:
+        """The load, its thread advice as the threads lever judged it: withdrawn (None)
+        where the lever measured fewer threads and found them no faster."""
+        if self.load is None:
+            return None
+        out = self.load.to_dict()
+        lever = _threads_verdict(self.levers)
+        if lever is not None and lever.verdict != "use":
+            out["advice"] = None
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "plan": self.plan,
             "seconds": self.seconds,
             "budget": self.budget,
             "step": self.step,
-            "load": self.load.to_dict() if self.load else None,
+            "load": self._load(),
             "results": [r.to_dict() for r in self.results],
             "levers": [lv.to_dict() for lv in self.levers],
             "devices": [d.to_dict() for d in self.devices],
             "advice": list(self.advice),
             "notes": list(self.notes),
         }
+
+
+def _threads_verdict(levers: Sequence[Lever]) -> Lever | None:
+    return next((lv for lv in levers if lv.name == "threads" and lv.speedup), None)
 
 
 def find(results: Sequence[Measured], device: str, name: str) -> Measured | None:

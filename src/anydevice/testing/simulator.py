@@ -371,18 +371,36 @@ def set_capacity(value: int | str | None) -> None:
     _library().set_capacity(_capacity_bytes(value))
 
 
-def busy(seconds: float, device: int | None = None) -> None:
+def busy(seconds: float, device: Any = None) -> None:
     """Queue ``seconds`` of simulated device work on the current stream, and return at
     once, as a kernel launch does on a GPU: the stream's later work, its events and any
     wait for it come after it.
 
     Args:
         seconds: how long the device is busy.
-        device: the device index (default: the current device).
+        device: the device: an index, ``"sim:1"``, a ``torch.device`` (default, or
+            without an index: the current device).
     """
     if not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
         raise DeviceSpecError(f"seconds={seconds!r} must be a finite number >= 0")
-    _library().busy(float(seconds), -1 if device is None else int(device))
+    _library().busy(float(seconds), _index(device))
+
+
+def _index(device: Any) -> int:
+    """The device index ``device`` names (-1: the current device)."""
+    import torch
+
+    if device is None:
+        return -1
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise DeviceSpecError(
+            f"device={device!r} is not a device: pass an index, 'NAME:i' or a torch.device"
+        ) from e
+    return -1 if dev.index is None else dev.index
 
 
 class Span(NamedTuple):

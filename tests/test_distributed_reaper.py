@@ -1,0 +1,261 @@
+"""Nothing outlives a launch, and a preemption gets its grace: real launches whose workers
+start processes of their own (a child, a double-forking daemon, a child in a session of
+its own), ended however the launch ends; and a save slower than torch's 5 s stop that
+still completes after SIGTERM to the launcher. Every process is bounded in time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ranks import process_tree_guard
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CPU = {"ANYDEVICE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+#: Each rank starts three processes that would outlive it (sleep 40 s each), writes their
+#: pids, says so, then ends as argv[2] says: "exit" (0), or "wait" to be stopped.
+KIDS = """\
+import os, subprocess, sys, time
+folder, how = sys.argv[1], sys.argv[2]
+rank = os.environ["RANK"]
+pids = [subprocess.Popen(["sleep", "40"]).pid,
+        subprocess.Popen(["sleep", "40"], start_new_session=True).pid]
+r, w = os.pipe()
+if os.fork() == 0:  # a daemon: fork, new session, fork again, the parent exits
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
+        os.close(w)
+        time.sleep(40)
+    os._exit(0)
+os.close(w)
+pids.append(int(os.read(r, 32)))
+with open(os.path.join(folder, f"rank{rank}.tmp"), "w") as f:
+    f.write(" ".join(map(str, pids)))
+os.replace(os.path.join(folder, f"rank{rank}.tmp"), os.path.join(folder, f"rank{rank}.pids"))
+print("started", rank, flush=True)
+if how == "wait":
+    time.sleep(120)
+"""
+
+#: Saves for longer than torch's 5 s stop when the launcher is told to stop.
+SLOW_SAVE = """\
+import os, sys, time
+import anydevice as ad
+
+def save():
+    time.sleep(float(sys.argv[2]))  # 8 s: longer than torch's agent gives a stopped worker
+    with open(os.path.join(sys.argv[1], f"saved{os.environ['RANK']}"), "w") as f:
+        f.write(str(time.time()))
+
+with ad.distributed(timeout=60, on_preempt=save) as d:
+    with open(os.path.join(sys.argv[1], f"rank{d.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    d.barrier()
+    if d.is_main:
+        print("training", flush=True)
+    for _ in range(100_000):
+        time.sleep(0.05)
+        d.check_preemption()
+"""
+
+
+def _start(argv: list[str], tmp: Path, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **CPU, "TMPDIR": str(tmp)},
+        **kw,  # type: ignore[call-overload]
+    )
+
+
+def _grandchildren(folder: Path, ranks: int, proc: subprocess.Popen[str]) -> list[int]:
+    deadline = time.monotonic() + 150
+    while len(list(folder.glob("*.pids"))) < ranks:
+        assert time.monotonic() < deadline, "the workers did not start"
+        if proc.poll() is not None and len(list(folder.glob("*.pids"))) < ranks:
+            raise AssertionError(proc.communicate())
+        time.sleep(0.1)
+    return [int(p) for f in folder.glob("*.pids") for p in f.read_text().split()]
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in _alive(pids):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive(pids)
+
+
+def test_a_launch_piped_to_cat_ends_with_its_workers_and_ends_what_they_started(tmp_path):
+    """`anydevice launch -n 2 kids.py | cat`: each worker leaves three sleep-40 processes
+    (a child, one in its own session, a double-forked daemon). The pipeline used to end
+    only when they did (44 s); now it ends with the launch, which says it ended 6."""
+    script = tmp_path / "kids.py"
+    script.write_text(KIDS)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    line = f"{sys.executable} -m anydevice launch -n 2 {script} {folder} exit | cat"
+    t = time.monotonic()
+    proc = _start(["bash", "-o", "pipefail", "-c", line], tmp_path)
+    left: list[int] = []
+    try:
+        out, err = proc.communicate(timeout=150)
+        took = time.monotonic() - t
+        left = [int(p) for f in folder.glob("*.pids") for p in f.read_text().split()]
+        assert proc.returncode == 0, err
+        assert len(left) == 6, (out, err)
+        assert _gone_within(left, 5) == [], "processes the workers started outlived the launch"
+        assert took < 38, f"the pipeline lasted {took:.0f} s: the sleeps held it open"
+        assert "ended them" in err and "6 process(es): sleep ×4" in err, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _kill(left)
+
+
+def test_sigkill_to_the_launcher_leaves_nothing_the_workers_started(tmp_path):
+    """The launcher killed outright: its guardian ends the workers and what they started."""
+    script = tmp_path / "kids.py"
+    script.write_text(KIDS)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(folder)]
+    proc = _start([*argv, "wait"], tmp_path)
+    kids: list[int] = []
+    try:
+        with process_tree_guard():
+            kids = _grandchildren(folder, 2, proc)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+            assert _gone_within(kids, 15) == [], "the guardian left what the workers started"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _kill(kids)
+
+
+def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preemption(
+    tmp_path,
+):
+    """on_preempt takes 8 s: torch's agent stopped the workers 5 s after the signal, and no
+    checkpoint was left. Now they get --grace (30 s by default) and both save."""
+    script = tmp_path / "job.py"
+    script.write_text(SLOW_SAVE)
+    argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(tmp_path)]
+    proc = _start([*argv, "8"], tmp_path)
+    try:
+        _wait_for_training(proc)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert sorted(p.name for p in tmp_path.glob("saved*")) == ["saved0", "saved1"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert 8 <= took < 30, took  # the save's 8 s, not the 30 s grace
+    assert "Preempt" in err or "preempt" in err, err
+    assert "no Python traceback" not in err, err
+
+
+#: Rank 1 closes its stdout, then prints; rank 0 waits for it in a barrier.
+CLOSED_STDOUT = """\
+import os
+import anydevice as ad
+
+def report_progress():
+    print("progress", flush=True)
+
+with ad.distributed(timeout=20) as d:
+    if d.rank == 1:
+        os.close(1)
+        report_progress()
+    d.barrier()
+"""
+
+
+def test_the_rank_that_failed_first_is_named_with_its_own_error_and_pid_and_frames(tmp_path):
+    """Rank 1's print to a closed stdout fails first; rank 0 fails after it, waiting. The
+    report blames rank 1 with its OSError (it was hidden behind "also failed after it"),
+    gives its pid, and its traceback starts at the user's frames, not the runner's."""
+    script = tmp_path / "closed.py"
+    script.write_text(CLOSED_STDOUT)
+    argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script)]
+    proc = _start(argv, tmp_path)
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 1, err
+    summary = err[err.index("anydevice launch: ") :]
+    head = r"anydevice launch: Rank 1 \(local rank 1, pid \d+\) raised: OSError: .*Bad file"
+    assert re.match(head, summary), summary
+    trace = summary[summary.index("Traceback") :]
+    frames = [line for line in trace.splitlines() if line.strip().startswith("File ")]
+    assert frames and str(script) in frames[0], trace
+    assert not any("runpy" in f or "anydevice/distributed" in f for f in frames), trace
+
+
+def _wait_for_training(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 150
+    for line in proc.stdout:  # the workers run
+        if "training" in line or time.monotonic() > deadline:
+            return
+
+
+def test_a_preemption_signal_to_one_rank_is_reported_as_a_preemption(tmp_path):
+    """SIGTERM to rank 1 alone: both ranks save and exit 143. It was reported as "Rank 0
+    ... exited with code 143. It left no Python traceback"."""
+    script = tmp_path / "job.py"
+    script.write_text(SLOW_SAVE)
+    argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(tmp_path)]
+    proc = _start([*argv, "0"], tmp_path)
+    try:
+        _wait_for_training(proc)
+        os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert sorted(p.name for p in tmp_path.glob("saved*")) == ["saved0", "saved1"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "preempted: SIGTERM reached rank(s) 1" in err, err
+    assert "on_preempt ran on rank(s) 0, 1" in err, err
+    assert "no Python traceback" not in err, err
