@@ -7,14 +7,19 @@ that fails it if a process is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -364,3 +369,380 @@ def test_fork_workers_compute_after_the_launcher_used_openmp(tmp_path):
         pytest.fail("forked workers hung in their first parallel op (killed after 100 s)")
     assert proc.returncode == 0, err[-2000:]
     assert "result {0: 1, 1: 1}" in out, out + err[-2000:]
+
+
+# ----------------------------------------------------------------------------- main guard
+
+
+def run_script(path, *args: str, timeout: float = 100.0) -> subprocess.CompletedProcess[str]:
+    """``python PATH ARGS`` in its own session, killed with its whole group after
+    ``timeout`` seconds (which fails the test)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{path} ran past {timeout} s: {err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+_UNGUARDED = """
+import anydevice as ad
+
+
+def work(x):
+    return x + 1
+
+
+print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+"""
+
+_GUARDED = """
+import anydevice as ad
+
+
+def work(x):
+    return x + 1
+
+
+def main():
+    print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+#: The script's top level is compiled from a string: no source line to look at before
+#: starting, so the starting worker is what notices.
+_UNGUARDED_WITHOUT_SOURCE = """
+exec(compile('''
+import anydevice as ad
+from work_module import work
+print("result", ad.launch(work, 1, nprocs=2, timeout=60))
+''', "<generated>", "exec"))
+"""
+
+
+def test_a_script_that_launches_outside_the_main_guard_is_told_so_before_starting(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    proc = run_script(script)
+    assert proc.returncode == 1
+    assert "result" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert 'unguarded.py line 9 calls ad.launch outside `if __name__ == "__main__":`' in last
+    assert "Put the call under that guard." in last
+    assert "bootstrapping phase" not in proc.stderr  # multiprocessing's error, twice
+    assert "no Python traceback" not in proc.stderr
+
+
+def test_a_launch_under_the_main_guard_runs(tmp_path):
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED)
+    proc = run_script(script)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "result {0: 2, 1: 2}" in proc.stdout
+
+
+def test_a_worker_that_starts_a_launch_again_says_which_guard_is_missing(tmp_path):
+    (tmp_path / "work_module.py").write_text("def work(x):\n    return x + 1\n")
+    script = tmp_path / "generated.py"
+    script.write_text(_UNGUARDED_WITHOUT_SOURCE)
+    proc = run_script(script)
+    assert proc.returncode != 0
+    assert "ad.launch was called again in a starting worker" in proc.stderr
+    assert 'outside `if __name__ == "__main__":`' in proc.stderr
+    assert "bootstrapping phase" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("source", "line", "guarded"),
+    [
+        ("ad.launch(f)\n", 1, False),
+        ("if __name__ == '__main__':\n    ad.launch(f)\n", 2, True),
+        ("if '__main__' == __name__:\n    ad.launch(f)\n", 2, True),
+        ("if __name__ == '__main__' and ok:\n    main()\n", 2, True),
+        ("try:\n    if __name__ == '__main__':\n        main()\nexcept E:\n    pass\n", 3, True),
+        ("try:\n    pass\nexcept E:\n    if __name__ == '__main__':\n        main()\n", 5, True),
+        ("if ok:\n    main()\n", 2, False),
+        ("if __name__ == '__main__':\n    pass\nelse:\n    main()\n", 4, False),
+        ("def main():\n    ad.launch(f)\n\n\nmain()\n", 5, False),
+    ],
+)
+def test_the_guard_is_found_around_the_launching_line(source, line, guarded):
+    import ast
+
+    from anydevice.distributed.elastic import _guarded
+
+    assert _guarded(ast.parse(source), line) is guarded
+
+
+# ----------------------------------------------------------------------------- rendezvous faults
+
+
+def launch_cli(*args: str) -> subprocess.Popen[str]:
+    """``anydevice launch ARGS`` in its own session, on the CPU."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "anydevice", "launch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "ANYDEVICE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120.0) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr); the whole session is killed on timeout, failing."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{proc.args} did not finish within {timeout} s")
+    return proc.returncode, out, err
+
+
+@contextlib.contextmanager
+def silent_server(accept: bool = True) -> Iterator[int]:
+    """A port on 127.0.0.1 where a plain socket listens (and, with ``accept``, accepts
+    every connection and never says a word); closed afterwards."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    if accept:
+        thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        stop.set()
+        if accept:
+            thread.join(5)
+        for s in [*held, listener]:
+            s.close()
+
+
+#: A worker that waits for a file to appear (at most 90 s), then says so.
+_WAITER = """
+import os, sys, time
+deadline = time.time() + 90
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.1)
+print("done", os.environ["RANK"], flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
+def test_an_endpoint_that_accepts_and_never_answers_fails_within_the_timeout():
+    with silent_server() as port:
+        t = time.perf_counter()
+        proc = launch_cli(
+            *("-n", "1", "--nnodes", "2", "--node-rank", "1", "--timeout", "5"),
+            *("--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "json.tool", "--help"),
+        )
+        code, _, err = finish(proc, timeout=150)  # without a bound: until killed
+        elapsed = time.perf_counter() - t
+    assert code == 1, err
+    assert err.startswith(
+        f"anydevice launch: Something at 127.0.0.1:{port} accepted the connection but did "
+        "not answer torch's store handshake within 5 s"
+    ), err
+    assert f"pid {os.getpid()}" in err  # what listens there: this test
+    assert len(err.strip().splitlines()) == 1, err  # torch's page of native frames stays out
+    assert elapsed >= 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
+def test_a_store_that_stops_answering_fails_its_request_within_the_timeout(tmp_path):
+    # Node 0 hosts the store of a 3-node rendezvous; node 1 joins, then node 0 is stopped
+    # (SIGSTOP: the kernel still holds the connection, nothing answers on it).
+    import psutil
+
+    script = tmp_path / "waiter.py"
+    script.write_text(_WAITER)
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = ("-n", "1", "--nnodes", "3", "--rdzv-endpoint", endpoint)
+    host = launch_cli(*common, "--node-rank", "0", "--timeout", "120", str(script), "x")
+    try:
+        port = int(endpoint.rpartition(":")[2])
+        deadline = time.monotonic() + 120
+        while not any(
+            c.status == psutil.CONN_LISTEN and c.laddr[1] == port
+            for c in psutil.Process(host.pid).net_connections()
+        ):
+            assert host.poll() is None and time.monotonic() < deadline, "node 0 never listened"
+            time.sleep(0.1)
+        node = launch_cli(*common, "--node-rank", "1", "--timeout", "10", str(script), "x")
+        while len(getattr(_rendezvous_state(endpoint), "participants", ())) < 2:
+            # node 1 has joined: the store answered its handshake and its requests
+            assert node.poll() is None, node.communicate()
+            assert time.monotonic() < deadline, "node 1 never joined"
+            time.sleep(0.1)
+        os.killpg(host.pid, signal.SIGSTOP)
+        code, _, err = finish(node, timeout=150)  # without a bound: until node 0 goes on
+    finally:
+        os.killpg(host.pid, signal.SIGKILL)
+        os.killpg(host.pid, signal.SIGCONT)
+        host.communicate()
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        f"anydevice launch: The rendezvous store at {endpoint} answered, then a request to "
+        "it got no reply within 10 s: the node that hosts it (node_rank=0) is stuck"
+    ), err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # the wait below kills what hangs
+@pytest.mark.parametrize("nodes", [(), ("--nnodes", "2", "--node-rank", "0")], ids=["one", "0"])
+def test_a_taken_port_is_said_to_be_in_use_and_by_whom(nodes):
+    with silent_server(accept=False) as port:  # listens, accepts nothing
+        proc = launch_cli(
+            *("-n", "1", *nodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "5"),
+            *("-m", "json.tool", "--help"),
+        )
+        code, _, err = finish(proc, timeout=150)  # torch's client: until killed
+    assert code == 1, err
+    assert err.startswith(
+        f"anydevice launch: Port {port} of 127.0.0.1 is in use (pid {os.getpid()}: "
+    ), err
+    assert "cannot host the rendezvous there. Choose another port" in err
+    assert "node_rank=0 on that host first" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
+def test_a_second_job_on_the_same_endpoint_is_told_another_job_holds_it(tmp_path):
+    script, go = tmp_path / "waiter.py", tmp_path / "go"
+    script.write_text(_WAITER)
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = launch_cli("-n", "1", "--rdzv-endpoint", endpoint, "--timeout", "60", str(script),
+                       str(go))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not _runs(first.pid, "waiter.py"):  # its rendezvous is complete: its worker runs
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.1)
+        second = [
+            launch_cli("-n", "1", "--rdzv-endpoint", endpoint, "--timeout", "10", str(script),
+                       str(go)),
+            launch_cli("-n", "1", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                       endpoint, "--timeout", "10", str(script), str(go)),
+        ]  # fmt: skip
+        results = [finish(p, timeout=150) for p in second]
+    finally:
+        go.touch()
+        code, out, err = finish(first, timeout=150)
+    for other_code, other_out, other_err in results:
+        assert other_code == 1, other_err
+        assert other_err.startswith(
+            f"anydevice launch: Another job holds the rendezvous endpoint {endpoint}"
+        ), other_err
+        assert "Choose another port for rdzv_endpoint (--rdzv-endpoint)" in other_err
+        assert "is_failed" not in other_err and "done" not in other_out
+        assert len(other_err.strip().splitlines()) == 1, other_err
+    assert (code, out.split()) == (0, ["done", "0"]), err  # undisturbed: one run, no restart
+
+
+def _runs(pid: int, name: str) -> bool:
+    """Whether a descendant of ``pid`` has ``name`` in its command line."""
+    import psutil
+
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if name in " ".join(child.cmdline()):
+                return True
+    return False
+
+
+def _rendezvous_state(endpoint: str, run_id: str = "anydevice") -> Any:
+    """The state torch's c10d rendezvous keeps in the store at ``endpoint``, or None."""
+    import base64
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    key = f"torch.rendezvous.{run_id}"
+    if not store.check([key]):
+        return None
+    try:
+        return pickle.loads(base64.b64decode(store.get(key)))
+    except Exception:  # the null sentinel before the first write
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # each wait below kills what hangs
+def test_a_spare_node_whose_rendezvous_closes_says_so(tmp_path):
+    # A node of a 1:2 range that arrives at a complete 2-node round waits as a spare (torch
+    # gives it no timeout) until that job ends and closes the rendezvous: torch's agent
+    # then returns no result at all.
+    script, go = tmp_path / "waiter.py", tmp_path / "go"
+    script.write_text(_WAITER)
+    endpoint = f"127.0.0.1:{free_port()}"
+    job = [
+        launch_cli("-n", "1", "--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint",
+                   endpoint, "--timeout", "60", str(script), str(go))
+        for r in (0, 1)
+    ]  # fmt: skip
+    spare = None
+    try:
+        deadline = time.monotonic() + 120
+        while not all(_runs(p.pid, "waiter.py") for p in job):
+            assert all(p.poll() is None for p in job) and time.monotonic() < deadline
+            time.sleep(0.1)
+        spare = launch_cli("-n", "1", "--nnodes", "1:2", "--rdzv-endpoint", endpoint,
+                           "--timeout", "60", str(script), str(go))  # fmt: skip
+        while not getattr(_rendezvous_state(endpoint), "redundancy_list", None):
+            assert spare.poll() is None, spare.communicate()
+            assert time.monotonic() < deadline, "the spare never joined"
+            time.sleep(0.2)
+    finally:
+        go.touch()
+        ends = [finish(p, timeout=150) for p in job]
+        if spare is not None:
+            code, out, err = finish(spare, timeout=150)
+    assert [(c, o.split()) for c, o, _ in ends] in (
+        [(0, ["done", "0"]), (0, ["done", "1"])],
+        [(0, ["done", "1"]), (0, ["done", "0"])],
+    ), ends
+    assert code == 1, err
+    assert "is_failed" not in err, err
+    # It sees the rendezvous closed, or (a moment later) its store gone with node 0.
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            (
+                f"anydevice launch: The rendezvous 'anydevice' at {endpoint} was closed while this "
+                "node was in it",
+                f"anydevice launch: The rendezvous store at {endpoint} closed the connection",
+            )
+        )
+    ), err
+    assert "done" not in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -49,6 +51,20 @@ def test_world_of_one_returns_the_users_model_and_optimizer_and_a_device_loader(
     assert dl.device == torch.device("cpu")
     assert dl.dataset is loader.dataset and dl.batch_size == 2  # read through
     assert sorted(torch.cat(list(dl)).tolist()) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    "misplaced",
+    [
+        lambda net: torch.optim.Adam(net.parameters()),
+        lambda net: functools.partial(torch.optim.AdamW, lr=1e-3),
+    ],
+    ids=["optimizer", "optimizer-factory"],
+)
+def test_an_optimizer_in_the_loader_place_is_refused_naming_optimizer_keyword(misplaced):
+    net = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match=r"second argument is the loader.*optimizer=opt"):
+        ad.prepare(net, misplaced(net))
 
 
 def test_return_shape_follows_the_arguments():
@@ -210,6 +226,7 @@ def test_two_ranks_get_ddp_without_device_ids_on_cpu_and_a_sharded_loader(tmp_pa
         assert (facts["loader"], facts["inner"]) == ("DeviceLoader", "DataLoader")
         assert (facts["sampler"], facts["rank"], facts["replicas"]) == ("DistributedSampler", r, 2)
         assert facts["batches"] == [[r, r + 2], [r + 4, r + 6]]
+        assert "optimizer=opt" in facts["positional_optimizer"]  # not AttributeError: sampler
 
 
 def inspect_ddp(d):
@@ -218,6 +235,11 @@ def inspect_ddp(d):
     loader = DataLoader(range(8), batch_size=2)
     model, shard, same_opt = ad.prepare(net, loader, opt)
     again = ad.prepare(model)
+    try:
+        ad.prepare(net, opt)  # the optimizer where the loader goes
+        positional = "accepted"
+    except Exception as e:
+        positional = f"{type(e).__name__}: {e}"
     return {  # the DDP model dies on return, before the group is destroyed
         "type": type(model).__name__,
         "device_ids": model.device_ids,
@@ -230,6 +252,7 @@ def inspect_ddp(d):
         "rank": shard.sampler.rank,
         "replicas": shard.sampler.num_replicas,
         "batches": [b.tolist() for b in shard],
+        "positional_optimizer": positional,
     }
 
 

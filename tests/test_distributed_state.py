@@ -3,7 +3,10 @@ ranks, resumed on other world sizes and across DDP and FSDP."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +21,26 @@ from workers import batches, model
 def no_process_left_behind():
     with process_tree_guard():
         yield
+
+
+def test_the_state_module_imports_by_its_dotted_name_and_ad_distributed_stays_the_function():
+    # ``ad.distributed`` (the function) shares its name with this subpackage.
+    code = (
+        "import anydevice.distributed.state as st\n"
+        "import anydevice.distributed.agent as ag\n"  # a submodule loaded after the package
+        "import anydevice as ad, types\n"
+        "assert st.save_state is ad.save_state and st.__name__ == 'anydevice.distributed.state'\n"
+        "assert ag.__name__ == 'anydevice.distributed.agent'\n"
+        "assert not isinstance(ad.distributed, types.ModuleType)\n"
+        "with ad.distributed() as d:\n"
+        "    print(d.world_size)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
 
 
 STEPS = 4  # saved after 2, resumed for 2 more

@@ -3,6 +3,7 @@
 * :mod:`~anydevice.distributed.environment` — which launcher started this process (pure).
 * :mod:`~anydevice.distributed.elastic` — ``launch()`` through torch's elastic agent.
 * :mod:`~anydevice.distributed.agent` — torch's agent run for a launch, under faults.
+* :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
@@ -20,6 +21,9 @@ already does) and nothing heavier: the elastic agent is imported when a launch s
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 from anydevice.distributed.collectives import all_gather, all_reduce, broadcast, gather_for_metrics
 from anydevice.distributed.context import Distributed, distributed
@@ -43,3 +47,29 @@ __all__ = [
     "unwrap",
     "wait_for_saves",
 ]
+
+
+class _Subpackage(types.ModuleType):
+    """This package: each submodule is reachable through the function ``distributed`` too.
+
+    ``import anydevice.distributed.state as st`` looks ``distributed`` up on ``anydevice``,
+    then ``state`` on what it found. There ``distributed`` is the function
+    ``ad.distributed`` (``anydevice._Package`` keeps it from being replaced by this
+    package), so each submodule Python records on this package is recorded on the function
+    as well: the import finds the module, and ``ad.distributed(...)`` stays the function.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            vars(distributed)[name] = value
+
+
+def _record_submodules() -> None:
+    for name, value in list(globals().items()):
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            vars(distributed)[name] = value
+
+
+_record_submodules()
+sys.modules[__name__].__class__ = _Subpackage

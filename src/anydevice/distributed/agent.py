@@ -33,13 +33,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anydevice.distributed import reaper
+from anydevice.distributed import reaper, rendezvous
 from anydevice.distributed.failures import preempted, preemption, worker_failed
-from anydevice.errors import DistributedError, DistributedTimeoutError
+from anydevice.distributed.rendezvous import LOOPBACK
+from anydevice.errors import DistributedTimeoutError
 
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["LOOPBACK", "Preempted", "run_agent", "scoped_environ"]
 
 logger = logging.getLogger("anydevice")
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 #: Seconds a worker stopped because another failed gets between SIGTERM (when it dumps
 #: its stacks) and SIGKILL. After a signal to the launcher, the workers get the launch's
@@ -87,6 +85,7 @@ def run_agent(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
         RendezvousConnectionError,
         RendezvousTimeoutError,
     )
@@ -108,7 +107,7 @@ def run_agent(
             target, arguments = entrypoint, tuple(args)
         logger.info("launching %s", chosen.describe())
         try:
-            handler = stack.enter_context(_rendezvous(chosen, timeout))
+            handler = stack.enter_context(rendezvous.open_rendezvous(chosen, timeout))
             spec = WorkerSpec(
                 role="default",
                 local_world_size=chosen.nproc_per_node,
@@ -143,7 +142,11 @@ def run_agent(
                 "reachable from each; or wait longer (timeout=, --timeout)."
             ) from e
         except RendezvousConnectionError as e:
-            raise _unreachable(chosen, timeout, e) from e
+            raise rendezvous.unreachable(chosen, timeout, e) from e
+        except RendezvousClosedError:  # while restarting the workers
+            raise rendezvous.closed(chosen) from None
+        if result is None:  # torch's agent returns nothing when the rendezvous was closed
+            raise rendezvous.closed(chosen)
         if result.is_failed():
             report = preempted(agent.records())
             if report is not None:
@@ -279,125 +282,6 @@ def _quiet_torch(verbose: bool) -> Iterator[None]:
             lg.disabled = disabled
 
 
-@contextlib.contextmanager
-def _rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
-    """torch's c10d rendezvous handler for the plan, on a store bound to loopback where
-    the nodes meet on loopback; shut down afterwards."""
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-        create_backend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
-
-    host, _, port_text = chosen.rdzv_endpoint.rpartition(":")
-    port = int(port_text)
-    is_host = chosen.rdzv_configs.get("is_host")
-    if is_host is False:
-        _wait_until_reachable(host, port, timeout)
-    handler_type: type[Any] = DynamicRendezvousHandler
-    if host in LOOPBACK:
-        store = _loopback_store(host, port, is_host, timeout)
-        backend = C10dRendezvousBackend(store, chosen.run_id)
-        handler_type = _loopback_handler_type()
-    else:
-        params = RendezvousParameters(
-            backend="c10d",
-            endpoint=chosen.rdzv_endpoint,
-            run_id=chosen.run_id,
-            min_nodes=chosen.min_nodes,
-            max_nodes=chosen.max_nodes,
-            local_addr=chosen.local_addr,
-            read_timeout=timeout,
-            **({} if is_host is None else {"is_host": is_host}),
-        )
-        backend, store = create_backend(params)
-    handler = handler_type.from_backend(
-        chosen.run_id,
-        store,
-        backend,
-        chosen.min_nodes,
-        chosen.max_nodes,
-        chosen.local_addr,
-        timeout=RendezvousTimeout(join=timedelta(seconds=timeout)),
-    )
-    try:
-        yield handler
-    finally:
-        with contextlib.suppress(Exception):
-            handler.shutdown()
-
-
-def _wait_until_reachable(host: str, port: int, timeout: float) -> None:
-    """Return once ``host:port`` accepts a connection; raise torch's
-    ``RendezvousConnectionError`` after ``timeout`` seconds. (torch's store client waits
-    its timeout per try, and tries twice with a pause between: about twice as long.)"""
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
-    deadline = time.monotonic() + timeout
-    last: OSError | None = None
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise RendezvousConnectionError(f"nothing accepted a connection: {last}")
-        try:
-            with socket.create_connection((host.strip("[]"), port), timeout=min(left, 2.0)):
-                return
-        except OSError as e:
-            last = e
-            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
-
-
-def _loopback_store(host: str, port: int, is_host: bool | None, timeout: int) -> Any:
-    """The rendezvous store at ``host:port`` on loopback: served here on a socket bound to
-    loopback (``is_host``), or reached as a client within ``timeout`` seconds. With
-    ``is_host=None`` whoever binds the port first hosts, as torch does."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
-
-    wait = timedelta(seconds=timeout)
-    if is_host is not False:
-        try:
-            return _served_on_loopback(host, port, max(wait, timedelta(seconds=60)))
-        except OSError as e:
-            if is_host:
-                raise RendezvousConnectionError(f"cannot listen on {host}:{port}: {e}") from e
-    address = "::1" if host in ("::1", "[::1]") else "127.0.0.1"
-    try:
-        return TCPStore(address, port, is_master=False, timeout=wait)
-    except (RuntimeError, TimeoutError, ValueError) as e:
-        raise RendezvousConnectionError(str(e).strip().splitlines()[0]) from e
-
-
-def _served_on_loopback(host: str, port: int, timeout: timedelta) -> Any:
-    """A ``TCPStore`` server listening on ``host:port`` (port 0: one the OS picks), bound
-    to loopback only."""
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
-
-    six = host in ("::1", "[::1]")
-    sock = socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("::1" if six else "127.0.0.1", port))
-        sock.listen(512)
-        bound = int(sock.getsockname()[1])
-    except OSError:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the socket from here on and closes it
-    return TCPStore(
-        "::1" if six else "127.0.0.1",
-        bound,
-        is_master=True,
-        master_listen_fd=fd,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
-
-
 def _agent_type() -> type[Any]:
     """torch's ``LocalElasticAgent``, which gives the workers ``grace`` seconds to exit
     after a signal to the launcher (torch gives them ``shutdown_timeout``, the same as
@@ -490,27 +374,3 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _loopback_handler_type() -> type[Any]:
-    """torch's rendezvous handler whose shared worker store (the one ``MASTER_PORT``
-    names, which the workers' process group uses) listens on loopback too."""
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-    )
-
-    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
-        def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            return _served_on_loopback(master_addr, master_port, timedelta(minutes=30))
-
-    return LoopbackRendezvousHandler
-
-
-def _unreachable(chosen: LaunchPlan, timeout: int, e: BaseException) -> DistributedError:
-    cause = e.__cause__ or e
-    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    return DistributedTimeoutError(
-        f"Cannot reach the rendezvous at {chosen.rdzv_endpoint} within {timeout} s "
-        f"({first}). Start node_rank=0 on that host first, or fix the address and port "
-        "(timeout=, --timeout waits longer)."
-    )

@@ -8,7 +8,9 @@ fills in its configuration — the parts that are easy to get wrong:
 * **Standalone** (one node): a c10d rendezvous on ``127.0.0.1:0``, so the operating system
   hands out a free port (no race) and nothing listens beyond this machine.
 * **Several nodes**: c10d at ``rdzv_endpoint`` with a bounded ``join_timeout`` (torch's
-  default waits 600 s for a missing node); the node with ``node_rank=0`` hosts the store.
+  default waits 600 s for a missing node); the node with ``node_rank=0`` hosts the store
+  (:mod:`.rendezvous`: every wait bounded, an endpoint another job holds named as such).
+  One node given an ``rdzv_endpoint`` hosts it.
 * **Restarts and elastic node ranges** set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with
   torch's shared store a restarted group often reconnects to the previous attempt's peers
   (pytorch/pytorch#135712, #167288) — with it, restarts recover.
@@ -25,6 +27,7 @@ Environment variables change only for the duration of the launch and are restore
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import pickle
@@ -171,12 +174,16 @@ def launch(
             exited with 128 + the signal), with a line saying which rank the signal
             reached.
         DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
-            ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``).
+            ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``, a
+            script that calls ``launch`` outside ``if __name__ == "__main__":``, which
+            every ``spawn``/``forkserver`` worker would run again).
         DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
     """
+    _refuse_while_a_worker_starts()
     world = environment.detect()
     if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
         return _run_in_place(fn, args, world, nprocs)
+    _check_main_guard(start_method)
     chosen = _plan_here(
         world,
         nprocs,
@@ -346,6 +353,8 @@ def plan(
         local_addr = host if host in LOOPBACK else None
         if node_rank is not None:
             configs["is_host"] = node_rank == 0
+        elif max_nodes == 1:  # no other node to host it: a taken port is another job's
+            configs["is_host"] = True
     extra: dict[str, str] = {}
     unshared = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
     if (max_restarts > 0 or min_nodes != max_nodes) and unshared not in env:
@@ -457,6 +466,92 @@ def _run_in_place(
     else:
         value = fn(*args)
     return {world.rank: value}  # type: ignore[dict-item]  # record's Optional is for exit(0)
+
+
+def _refuse_while_a_worker_starts() -> None:
+    """Stop a ``spawn``/``forkserver`` worker that runs ``launch`` while it starts.
+
+    Such a worker first runs the launching script's top level again (as ``__mp_main__``);
+    a ``launch`` call there that no ``if __name__ == "__main__":`` guards would launch
+    once more, and Python's multiprocessing then fails with its long "bootstrapping
+    phase" error. :func:`_check_main_guard` refuses that script before any worker starts;
+    this is for a call it could not see (a script whose source cannot be read).
+    """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(
+            "anydevice: ad.launch was called again in a starting worker: the script calls "
+            f"it {_GUARD_FIX.format(method='spawn')}"
+        )
+
+
+#: What to do about a ``launch`` call that workers would run again as they start.
+_GUARD_FIX = (
+    'outside `if __name__ == "__main__":`, which each {method}ed worker runs again as it '
+    "starts. Put the call under that guard."
+)
+
+
+def _check_main_guard(start_method: str) -> None:
+    """Refuse a ``launch`` from the top level of the ``__main__`` script outside ``if
+    __name__ == "__main__":``, which each ``spawn``/``forkserver`` worker would run again.
+
+    The call is found on the stack (the ``__main__`` module's own frame) and its line in
+    the script's syntax tree; a script that cannot be read or parsed is let through.
+    """
+    if start_method == "fork":
+        return
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
+        return  # `python -m package`: multiprocessing does not run a package's __main__ again
+    if spec_name is None and not getattr(main, "__file__", None):
+        return  # an interactive session: nothing for a worker to run again
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
+    ):
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
+    if frame is None:
+        return
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    if _guarded(tree, line):
+        return
+    raise DistributedError(
+        f"{os.path.basename(path)} line {line} calls ad.launch "
+        + _GUARD_FIX.format(method=start_method)
+    )
+
+
+def _guarded(tree: ast.Module, line: int) -> bool:
+    """Whether ``line`` of the module lies in the body of an ``if`` that tests
+    ``__name__`` against ``"__main__"``."""
+    nodes: list[ast.stmt | ast.excepthandler] = list(tree.body)
+    while nodes:
+        node = next((n for n in nodes if n.lineno <= line <= (n.end_lineno or n.lineno)), None)
+        if node is None:
+            return False
+        if isinstance(node, ast.If) and _tests_main(node.test):
+            return any(n.lineno <= line <= (n.end_lineno or n.lineno) for n in node.body)
+        nodes = []
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.stmt, ast.excepthandler)):
+                nodes.append(child)
+            elif isinstance(child, ast.match_case):
+                nodes.extend(child.body)
+    return False
+
+
+def _tests_main(test: ast.expr) -> bool:
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    texts = {n.value for n in ast.walk(test) if isinstance(n, ast.Constant)}
+    return "__name__" in names and "__main__" in texts
 
 
 def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:

@@ -167,9 +167,12 @@ def prepare(
             optimizer that holds parameters the model does not have; with ``"fsdp"``,
             an optimizer that has already stepped.
         ValueError: an unknown strategy.
+        TypeError: an optimizer (or a function making one) in the ``loader`` place, as in
+            ``ad.prepare(model, opt)``: pass it by name, ``optimizer=opt``.
     """
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use one of {', '.join(_STRATEGIES)}.")
+    _check_loader_argument(loader)
     rank, size, dev = _where(device)
     # fully_shard moves each block to the device as it shards it: moving the whole model
     # first would need room for all of it (and for a model made on "meta", fail).
@@ -314,6 +317,23 @@ def device_loader(
 
 
 # ----------------------------------------------------------------------------- internals
+
+
+def _check_loader_argument(loader: object) -> None:
+    """Refuse an optimizer given where the loader goes (the second positional argument)."""
+    if isinstance(loader, (DataLoader, DeviceLoader)) or loader is None:
+        return
+    if isinstance(loader, torch.optim.Optimizer):
+        what = f"a {type(loader).__name__} optimizer"
+    elif callable(loader) and not isinstance(loader, Iterable):
+        what = f"{getattr(loader, '__qualname__', type(loader).__name__)!r}, a function"
+    else:
+        return  # another iterable of batches: a DeviceLoader delivers it in a world of one
+    raise TypeError(
+        f"ad.prepare(model, {what}): the second argument is the loader. Pass the optimizer "
+        "by name, ad.prepare(model, optimizer=opt), or after the loader, "
+        "ad.prepare(model, loader, opt)."
+    )
 
 
 def _where(device: DeviceLike | None) -> tuple[int, int, torch.device]:
