@@ -348,3 +348,30 @@ def test_this_machines_nvcc_fits_a_torch_of_its_own_major_only():
     major = int(nvcc.version.split(".")[0])
     assert "major version" in nvcc_unfit(f"{major - 1}.8", nvcc)
     assert nvcc_unfit(f"{major}.0", nvcc) == nvcc.problem
+
+
+def test_a_killed_builds_lock_does_not_hang_the_next_load(built: Built):
+    """torch marks a build with a ``lock`` file and waits for it to go away, forever: a
+    build killed mid-way hung every later load (the simulator's tests timed out on one).
+    Now the stale lock is seen for what it is and removed, with one logged line."""
+    folder = Path(str(built.result)).parent
+    (folder / "lock").touch()  # what a build killed between its start and its end leaves
+    code = (
+        "import logging, anydevice as ad\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        f"ad.load_extension('ad_examples_bias_gelu', {[str(s) for s in built.sources]!r}, "
+        f"extra_cflags=['-O3'], extra_cuda_cflags=['-O3'], build_dir={str(built.cache)!r})\n"
+        "print('loaded')\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the load waited on the killed build's lock")
+    finally:
+        lock_left = (folder / "lock").exists()
+        (folder / "lock").unlink(missing_ok=True)
+    assert out.returncode == 0 and out.stdout.strip() == "loaded", out.stderr
+    assert "left by a build that was killed" in out.stderr
+    assert not lock_left

@@ -380,6 +380,57 @@ def _key(
     return h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _building(folder: Path, name: str) -> Iterator[None]:
+    """Hold the build folder for the block: one build at a time across processes, and no
+    wait on a killed build's lock.
+
+    torch marks a build in progress with a ``lock`` file and waits, silently and forever,
+    for it to go away: a build killed mid-way (Ctrl-C, a timeout, the OOM killer) left
+    every later load of the extension hanging. Here each build first takes an advisory
+    lock (``flock``) on ``.anydevice.lock``, which the OS releases when its holder dies:
+    holding it, a ``lock`` file of torch's can only be a killed build's, and is removed.
+    Without ``flock`` (Windows) torch's lock is waited for, as torch does, with a warning.
+    """
+    stale = folder / "lock"
+    try:
+        import fcntl
+    except ImportError:  # no flock: torch's own waiting, said
+        if stale.exists():
+            logger.warning(
+                "load_extension(%r): waiting for %s: another process is building this "
+                "extension. If none is (a build was killed), delete that file.",
+                name,
+                stale,
+            )
+        yield
+        return
+    with open(folder / ".anydevice.lock", "a+b") as held:
+        if stale.exists():
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.warning(
+                    "load_extension(%r): waiting: another process is building it in %s",
+                    name,
+                    folder,
+                )
+                fcntl.flock(held, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        if stale.exists():
+            logger.warning(
+                "load_extension(%r): removing %s, left by a build that was killed",
+                name,
+                stale,
+            )
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _is_python_module(sources: Sequence[Path]) -> bool:
     """Whether the sources define a Python module (pybind11's, or a ``PyInit_`` function)."""
     return any(
@@ -490,20 +541,12 @@ def load_extension(
     folder.mkdir(parents=True, exist_ok=True)
     if verbose:
         logger.warning("load_extension(%r): building in %s", name, folder)
-    if (folder / "lock").exists():  # torch waits for it to go away, silently and forever
-        logger.warning(
-            "load_extension(%r): waiting for %s: another process is building this extension. "
-            "If none is (a build was killed), delete that file.",
-            name,
-            folder / "lock",
-        )
-
     from torch.utils import cpp_extension
 
     on_path = None if ninja.detail == "on PATH" else str(Path(ninja.path).parent)
     started = time.perf_counter()
     try:
-        with _path_with(on_path):
+        with _building(folder, name), _path_with(on_path):
             result = cpp_extension.load(
                 name,
                 [str(p) for p in kept],
