@@ -334,6 +334,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         help="where the nodes meet (needed with --nnodes > 1)",
     )
     p.add_argument(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address that the other nodes reach (default: the source address "
+        "of the route to --rdzv-endpoint); gloo and NCCL listen on its interface",
+    )
+    p.add_argument(
         "--rdzv-id",
         "--rdzv_id",
         dest="rdzv_id",
@@ -562,6 +571,7 @@ def _launch(args: argparse.Namespace) -> int:
             grace=args.grace,
             log_dir=args.log_dir,
             verbose=args.verbose,
+            local_addr=args.local_addr,
         )
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
