@@ -59,8 +59,10 @@ def main() -> None:
             time.sleep(a.sleep)
             if a.ckpt:
                 d.check_preemption()
-        hosts = [None] * d.world_size
+        hosts: list[object] = [None] * d.world_size
+        nodes: list[object] = [None] * d.world_size
         torch.distributed.all_gather_object(hosts, socket.gethostname())
+        torch.distributed.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME"))
         if d.rank == 0:
             checksum = sum(float(v.double().sum()) for v in net.state_dict().values())
             (out / "final.json").write_text(
@@ -69,6 +71,7 @@ def main() -> None:
                         "world_size": d.world_size,
                         "launcher": d.launcher,
                         "hosts": hosts,
+                        "nodes": nodes,
                         "checksum": checksum,
                         "master_addr": os.environ.get("MASTER_ADDR"),
                     }
