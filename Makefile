@@ -49,7 +49,7 @@ test-quick: $(STAMP)-test
 test-infra: $(STAMP)-infra infra-packages
 	$(PY) -m pytest tests/infra -v -rs -p no:cacheprovider --timeout 400
 
-INFRA_DEBS := iproute2 util-linux
+INFRA_DEBS := iproute2 util-linux slurmctld slurmd slurm-client munge
 infra-packages:
 	@if [ "$$(id -u)" != 0 ]; then \
 		echo "test-infra: not root, installing no Debian packages (the parts needing them skip)"; \
