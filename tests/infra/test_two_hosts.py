@@ -33,6 +33,7 @@ STEPS = 5
 
 TRAIN = textwrap.dedent(
     f"""
+    import os
     import socket
     import sys
 
@@ -56,6 +57,8 @@ TRAIN = textwrap.dedent(
                 torch.nn.functional.mse_loss(ddp(xs), ys).backward()
                 opt.step()
             print("RANK", d.rank, "OF", d.world_size, "ON", socket.gethostname(), flush=True)
+            print("MASTER_ADDR", os.environ["MASTER_ADDR"], flush=True)
+            print("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"), flush=True)
             if d.rank == 0:
                 torch.save(model.state_dict(), sys.argv[1])
     """
@@ -80,6 +83,7 @@ def one_host_weights() -> dict[str, torch.Tensor]:
 @dataclass
 class Hosts:
     names: tuple[str, str]  #: the namespaces
+    veths: tuple[str, str]  #: each one's end of the veth pair
     addrs: tuple[str, str]
     hostnames: tuple[str, str]
 
@@ -137,7 +141,7 @@ def _hosts(loopback_hostnames: bool) -> Iterator[Hosts]:
             r = _run("ip", "netns", "exec", ns, "getent", "hosts", hostname)
             assert r.returncode == 0
             assert r.stdout.split()[0] == ("127.0.0.1" if loopback_hostnames else addr)
-        yield Hosts(names, addrs, hostnames)
+        yield Hosts(names, veth, addrs, hostnames)
     finally:
         for ns in made:
             r = _run("ip", "netns", "pids", ns)
@@ -202,6 +206,9 @@ def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
 def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
     for node, text in enumerate(outputs):
         assert f"RANK {node} OF 2 ON {hosts.hostnames[node]}" in text, text
+        # The workers meet at node 0's address on the link, over each node's end of it.
+        assert f"MASTER_ADDR {hosts.addrs[0]}" in text, text
+        assert f"GLOO_SOCKET_IFNAME {hosts.veths[node]}" in text, text
     got = torch.load(out, weights_only=True)
     want = one_host_weights()
     assert set(got) == set(want)
