@@ -4,6 +4,7 @@ this machine's real interfaces (the two-host proof is tests/infra/test_two_hosts
 
 from __future__ import annotations
 
+import re
 import socket
 
 import psutil
@@ -83,3 +84,39 @@ def test_one_node_and_loopback_meetings_stay_on_loopback():
     assert (one.local_addr, one.env) == ("127.0.0.1", plan(2).env)
     both = plan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
     assert addressing.settle(both) == both
+
+
+PROBE = """
+import os, sys
+from datetime import timedelta
+from anydevice.cli import quiet_lookup_warnings
+quieted = quiet_lookup_warnings() if sys.argv[1] == "quiet" else None
+from torch.distributed import TCPStore
+try:  # nobody listens on port 1: c10d warns (W) that it retries, then gives up
+    TCPStore("127.0.0.1", 1, is_master=False, timeout=timedelta(seconds=1))
+except Exception:
+    pass
+print("QUIETED", quieted, "TORCH_CPP_LOG_LEVEL" in os.environ, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "loud"])
+def test_the_launcher_keeps_c10d_warnings_out_and_its_workers_keep_theirs(mode):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(addressing.__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    warned = re.search(r"^\[W\d.*\[c10d\].*retrying", done.stderr, re.M) is not None
+    if mode == "quiet":
+        assert "QUIETED True False" in done.stdout  # the workers it starts see no level
+        assert not warned, done.stderr
+    else:
+        assert warned, done.stderr

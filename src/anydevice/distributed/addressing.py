@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +25,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
 
-__all__ = ["NodeAddress", "interface_of", "node_address", "route_source", "settle"]
+__all__ = [
+    "NodeAddress",
+    "interface_of",
+    "node_address",
+    "route_source",
+    "settle",
+]
 
 #: The variables that pick the interface gloo and NCCL listen on.
 SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -112,8 +119,6 @@ def node_address(
     Raises:
         ValueError: ``local_addr`` is not an address of this machine.
     """
-    import os
-
     env = os.environ if environ is None else environ
     host, _, port = rdzv_endpoint.rpartition(":")
     if local_addr:
