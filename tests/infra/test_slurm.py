@@ -5,7 +5,7 @@
 * one task per node running ``anydevice launch -n 2`` (4 ranks, the rendezvous at the
   first node that SLURM names);
 * the preemption cycle, by ``scancel --signal=USR1`` and by a real ``--time`` limit with
-  ``--signal=USR1@30``: every rank saves at the same step, rank 0 runs ``scontrol requeue``,
+  ``--signal=USR1@50``: every rank saves at the same step, rank 0 runs ``scontrol requeue``,
   the job comes back (``scontrol update StartTime=now`` ends SLURM's hold of a requeued
   job, ~120 s otherwise) and resumes at the saved step, on the loss trajectory of an
   uninterrupted run.
@@ -118,13 +118,14 @@ def test_preemption_by_scancel_signal_saves_requeues_and_resumes(slurm, scratch,
 
 @pytest.mark.timeout(400)
 def test_preemption_by_time_limit_saves_requeues_and_resumes(slurm, scratch, one_host):
-    # SLURM checks time limits every 30 s: the warning comes 30 to 60 s into a 1-minute
-    # limit, so the run is made to need more than a minute (50 steps of 1.3 s).
+    # slurmctld checks time limits every 30 s and sends the warning once no more than
+    # USR1's 50 s + those 30 s are left: 40 to 70 s into a 2-minute limit. (With a 1-minute
+    # limit it can come at once, before Python runs.) The run needs longer: 50 steps of 1.5 s.
     steps = 50
     ckpt = scratch / "ckpt"
     job = slurm.sbatch(
-        _script(*_train(scratch, steps, "--ckpt", str(ckpt), "--sleep", "1.3")),
-        "-N2", "--ntasks-per-node=1", "--requeue", "--time=1", "--signal=USR1@30",
+        _script(*_train(scratch, steps, "--ckpt", str(ckpt), "--sleep", "1.5")),
+        "-N2", "--ntasks-per-node=1", "--requeue", "--time=2", "--signal=USR1@50",
     )  # fmt: skip
     first = _requeued_and_resumed(slurm, job, 150, longer=True)
     assert "preemption: requeued with scontrol requeue" in first, first
