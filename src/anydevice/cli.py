@@ -299,8 +299,9 @@ def quiet_lookup_warnings(environ: MutableMapping[str, str] | None = None) -> bo
     network namespaces) out of a launcher's summary output.
 
     torch reads ``TORCH_CPP_LOG_LEVEL`` once, when it is imported: call this before, in the
-    launcher only. The variable is set for the import and taken out again, so the workers
-    keep their own C++ warnings. A level the user set is left alone.
+    launcher only. The variable is set for the import and taken out again: the workers'
+    level is the launch's to set (errors only across nodes unless ``--verbose``). A level
+    the user set is left alone.
 
     Returns:
         True where this quieted the launcher; False where torch was already imported or the
