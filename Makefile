@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.stamp
 
-.PHONY: run test test-quick lint typecheck unit bench gpu-check clean
+.PHONY: run test test-quick test-infra infra-packages lint typecheck unit bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt
 
 $(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt
 	$(PIP) -e .
+	@touch $@
+
+$(STAMP)-infra: $(STAMP)-test
+	$(PIP) -e ".[test,infra]"
 	@touch $@
 
 $(STAMP)-bench: $(STAMP)-test
@@ -38,6 +42,25 @@ unit: $(STAMP)-test
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
 test-quick: $(STAMP)-test
 	$(PY) -m pytest -n auto -m "not slow"
+
+## make test-infra: real infrastructure (tests/infra, not part of `make test`): a notebook in a
+## Jupyter kernel, two hosts in network namespaces, a SLURM cluster of two nodes. As root it
+## installs the Debian packages it needs; a part that cannot run is skipped saying why.
+test-infra: $(STAMP)-infra infra-packages
+	$(PY) -m pytest tests/infra -v -rs -p no:cacheprovider --timeout 400
+
+INFRA_DEBS := iproute2 util-linux slurmctld slurmd slurm-client munge
+infra-packages:
+	@if [ "$$(id -u)" != 0 ]; then \
+		echo "test-infra: not root, installing no Debian packages (the parts needing them skip)"; \
+	elif ! command -v apt-get >/dev/null; then \
+		echo "test-infra: no apt-get, installing no Debian packages (the parts needing them skip)"; \
+	else \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(INFRA_DEBS) >/dev/null \
+		|| { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends $(INFRA_DEBS) >/dev/null; } \
+		|| echo "test-infra: apt-get could not install $(INFRA_DEBS) (the parts needing them skip)"; \
+	fi
 
 lint: $(STAMP)-test
 	$(VENV)/bin/ruff check src tests benchmarks examples scripts

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.distributed.preemption import requeue_command
+from anydevice.distributed.preemption import requeue_command, requeue_signal
 from ranks import process_tree_guard, run_ranks
 from workers import batches, model
 
@@ -87,6 +87,28 @@ def test_sigusr1_under_slurm_requeues_the_job(tmp_path, monkeypatch):
     assert stopped.value.code == 128 + signal.SIGUSR1
     assert log.read_text() == "requeue 4242\n"
     assert requeue_command({"SLURM_JOB_ID": "1"}) == ["scontrol", "requeue", "1"]
+
+
+def test_the_requeue_signal_is_settable_and_a_missing_scontrol_says_what_to_do(
+    tmp_path, monkeypatch, caplog
+):
+    # Where the program uses SIGUSR1 itself, SLURM sends SIGUSR2 (--signal=USR2@120); here
+    # scontrol is absent, as in many containers: a warning with what to do, not a crash.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    monkeypatch.setenv("ANYDEVICE_REQUEUE_SIGNAL", "USR2")
+    with ad.distributed(on_preempt=lambda: None) as d:
+        assert signal.SIGUSR2 in d.preemption.signals
+        assert signal.SIGUSR1 not in d.preemption.signals
+        os.kill(os.getpid(), signal.SIGUSR2)
+        with pytest.raises(SystemExit) as stopped, caplog.at_level("WARNING", "anydevice"):
+            d.check_preemption()
+    assert stopped.value.code == 128 + signal.SIGUSR2
+    assert "preemption: SIGUSR2 reached the job" in caplog.text
+    assert "scontrol is not on PATH" in caplog.text
+    assert "requeue it from outside: scontrol requeue 4243" in caplog.text
+    with pytest.raises(ValueError, match=r"ANYDEVICE_REQUEUE_SIGNAL='HUP'.*USR1.*USR2"):
+        requeue_signal({"ANYDEVICE_REQUEUE_SIGNAL": "HUP"})
 
 
 # ----------------------------------------------------------------------------- two ranks

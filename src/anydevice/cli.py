@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import NamedTuple
 
 from anydevice._version import __version__
@@ -292,6 +293,31 @@ def _doctor(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- launch
 
 
+def quiet_lookup_warnings(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Keep torch's C++ warnings (c10d's "The hostname of the client socket cannot be
+    retrieved", printed where a peer's address has no name: most clusters, containers and
+    network namespaces) out of a launcher's summary output.
+
+    torch reads ``TORCH_CPP_LOG_LEVEL`` once, when it is imported: call this before, in the
+    launcher only. The variable is set for the import and taken out again: the workers'
+    level is the launch's to set (errors only across nodes unless ``--verbose``). A level
+    the user set is left alone.
+
+    Returns:
+        True where this quieted the launcher; False where torch was already imported or the
+        user set the level.
+    """
+    env = os.environ if environ is None else environ
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in env:
+        return False
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        import torch  # noqa: F401  # reads the level now
+    finally:
+        del env["TORCH_CPP_LOG_LEVEL"]
+    return True
+
+
 def _launch_args(p: argparse.ArgumentParser) -> None:
     p.usage = "anydevice launch [-n N] [options] [-m] SCRIPT [ARGS...]"
     p.epilog = (
@@ -332,6 +358,15 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="where the nodes meet (needed with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--local-addr",
+        "--local_addr",
+        dest="local_addr",
+        default=None,
+        metavar="ADDR",
+        help="this node's address that the other nodes reach (default: the source address "
+        "of the route to --rdzv-endpoint); gloo and NCCL listen on its interface",
     )
     p.add_argument(
         "--rdzv-id",
@@ -539,6 +574,8 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"anydevice launch: {bad_device}", file=sys.stderr)
         return 2
 
+    if not args.verbose:
+        quiet_lookup_warnings()
     from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
 
@@ -562,6 +599,7 @@ def _launch(args: argparse.Namespace) -> int:
             grace=args.grace,
             log_dir=args.log_dir,
             verbose=args.verbose,
+            local_addr=args.local_addr,
         )
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)

@@ -201,6 +201,10 @@ def _worker_environ(chosen: LaunchPlan, private: str, verbose: bool) -> dict[str
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if name not in os.environ:
                 env[name] = loopback
+    if not (verbose or chosen.standalone or "TORCH_CPP_LOG_LEVEL" in os.environ):
+        # Across nodes c10d warns for every peer address without a name ("The hostname of
+        # the client socket cannot be retrieved"): errors only, --verbose shows all.
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     if not {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"} & set(os.environ):
         flight = Path(private) / "flight"
         flight.mkdir()

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from anydevice.distributed import environment
+from anydevice.distributed import addressing, environment
 from anydevice.distributed.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.distributed.environment import World
 from anydevice.errors import DeviceNotFoundError, DistributedError
@@ -105,6 +105,7 @@ def launch(
     grace: float = 30.0,
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
+    local_addr: str | None = None,
 ) -> dict[int, T]:
     """Run ``fn(*args)`` in one process per device and return what each rank returned.
 
@@ -154,6 +155,9 @@ def launch(
             directory, removed afterwards, also when the launcher is killed).
         verbose: let torch elastic's own log lines through, and have each failing worker
             print its traceback as well as the summary.
+        local_addr: with several nodes, the address of this node the others reach (the
+            workers' ``MASTER_ADDR`` where it hosts; gloo and NCCL listen on its
+            interface). Default: the source address of the route to ``rdzv_endpoint``.
 
     Returns:
         ``{global_rank: return value}`` for the workers this call ran, in rank order. On one
@@ -195,6 +199,7 @@ def launch(
         start_method,
         timeout,
         grace,
+        local_addr,
     )
     _check_sendable(fn, args, start_method)
     try:
@@ -220,6 +225,7 @@ def launch_script(
     grace: float = 30.0,
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
+    local_addr: str | None = None,
 ) -> int:
     """``anydevice launch``: run a script (or ``-m`` module) in one process per device.
 
@@ -254,6 +260,7 @@ def launch_script(
         "spawn",
         timeout,
         grace,
+        local_addr,
     )
     head = ["-u", "-m", "anydevice.distributed.runner", *(["-m"] if module else [])]
     run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir, verbose=verbose)
@@ -391,13 +398,14 @@ def _plan_here(
     start_method: str,
     timeout: float,
     grace: float = 30.0,
+    local_addr: str | None = None,
 ) -> LaunchPlan:
     if world.launcher == "slurm":  # one task per node: SLURM says where the nodes meet
         nnodes, node_rank = world.nnodes, world.node_rank
         rdzv_endpoint = rdzv_endpoint or f"{world.master_addr}:{world.master_port}"
         run_id = run_id or world.job_id
     inv = _inventory()
-    return plan(
+    chosen = plan(
         resolve_nprocs(nprocs, inv),
         nnodes=nnodes,
         node_rank=node_rank,
@@ -409,6 +417,7 @@ def _plan_here(
         grace=grace,
         cores=inv.host.cores_usable,
     )
+    return addressing.settle(chosen, local_addr)
 
 
 def _inventory() -> Inventory:

@@ -55,12 +55,18 @@ from anydevice.errors import DistributedError
 if TYPE_CHECKING:
     from anydevice.distributed.context import Distributed
 
-__all__ = ["Preemption", "requeue_command", "watch"]
+__all__ = ["REQUEUE_SIGNAL", "Preemption", "requeue_command", "requeue_signal", "watch"]
 
 logger = logging.getLogger("anydevice")
 
-#: ``SIGTERM`` outranks ``SIGUSR1`` when ranks saw different ones: no requeue after a cancel.
-_RANK = {signal.SIGUSR1: 1, signal.SIGTERM: 2}
+#: ``SIGTERM`` outranks the early warning when ranks saw different ones: no requeue after a
+#: cancel.
+_RANK = {signal.SIGUSR1: 1, signal.SIGUSR2: 1, signal.SIGTERM: 2}
+
+#: The early-warning signal under SLURM, ``USR1`` unless this variable names ``USR2`` (for
+#: programs that use ``SIGUSR1`` themselves): ``#SBATCH --signal=USR2@120`` with
+#: ``ANYDEVICE_REQUEUE_SIGNAL=USR2``.
+REQUEUE_SIGNAL = "ANYDEVICE_REQUEUE_SIGNAL"
 
 
 class Preemption:
@@ -124,12 +130,12 @@ class Preemption:
             agreed = int(flag.item())
         if agreed == 0:
             return
-        sig = next(s for s, r in _RANK.items() if r == agreed)
+        sig = next(s for s in self._signals if _RANK[s] == agreed)
         logger.warning("preemption: %s reached the job; saving and exiting", sig.name)
         self._fn()
         failures.record_preemption(sig, self._seen)  # for the launcher's report
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if sig == signal.SIGUSR1 and rank == 0:
+        if _RANK[sig] == 1 and rank == 0:
             self._requeue()
         raise SystemExit(128 + int(sig))
 
@@ -143,7 +149,13 @@ class Preemption:
         if command is None:
             return
         if shutil.which(command[0]) is None:
-            logger.warning("preemption: %s not found; the job is not requeued", command[0])
+            logger.warning(
+                "preemption: %s is not on PATH here (a container without SLURM's commands?), "
+                "so the job is not requeued. Make scontrol and SLURM's configuration "
+                "available in the job, or requeue it from outside: %s",
+                command[0],
+                " ".join(command),
+            )
             return
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=60)
@@ -183,13 +195,38 @@ def requeue_command(environ: Mapping[str, str]) -> list[str] | None:
     return ["scontrol", "requeue", job]
 
 
+def requeue_signal(environ: Mapping[str, str]) -> signal.Signals:
+    """The early-warning signal that saves and requeues under SLURM: ``SIGUSR1``, or what
+    ``ANYDEVICE_REQUEUE_SIGNAL`` names (``USR1`` or ``USR2``).
+
+    >>> requeue_signal({}).name
+    'SIGUSR1'
+    >>> requeue_signal({"ANYDEVICE_REQUEUE_SIGNAL": "sigusr2"}).name
+    'SIGUSR2'
+
+    Raises:
+        ValueError: the variable names another signal.
+    """
+    text = environ.get(REQUEUE_SIGNAL, "").strip().upper()
+    if not text:
+        return signal.SIGUSR1
+    name = text if text.startswith("SIG") else f"SIG{text}"
+    if name not in ("SIGUSR1", "SIGUSR2"):
+        raise ValueError(
+            f"{REQUEUE_SIGNAL}={environ[REQUEUE_SIGNAL]!r}: the requeue signal is USR1 "
+            "(default) or USR2; submit with the same one, e.g. #SBATCH --signal=USR2@120."
+        )
+    return signal.Signals[name]
+
+
 @contextlib.contextmanager
 def watch(d: Distributed, on_preempt: Callable[[], object]) -> Iterator[Distributed]:
     """Catch the preemption signals for the block; yield ``d`` able to check for them.
 
     ``SIGTERM`` always; ``SIGUSR1`` too under SLURM (``SLURM_JOB_ID`` set), where it is the
-    early warning. In a world of several ranks whose group cannot reduce CPU tensors
-    (NCCL), a gloo group is made for the agreement (a collective: every rank enters).
+    early warning (``SIGUSR2`` instead with ``ANYDEVICE_REQUEUE_SIGNAL=USR2``). In a world
+    of several ranks whose group cannot reduce CPU tensors (NCCL), a gloo group is made for
+    the agreement (a collective: every rank enters).
     """
     if not callable(on_preempt):
         raise TypeError(
@@ -198,7 +235,7 @@ def watch(d: Distributed, on_preempt: Callable[[], object]) -> Iterator[Distribu
         )
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)
     if os.environ.get("SLURM_JOB_ID"):
-        signals += (signal.SIGUSR1,)
+        signals += (requeue_signal(os.environ),)
     group = None
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if grouped and "gloo" not in str(dist.get_backend()):

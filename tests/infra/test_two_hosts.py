@@ -1,0 +1,230 @@
+"""Two hosts on one machine: two network namespaces joined by a veth pair, with private
+addresses that exist only inside them, each with its own hostname (``unshare --uts``) and
+its own ``/etc/hosts`` (``/etc/netns/NAME/hosts``, which ``ip netns exec`` mounts).
+
+What it proves: ``anydevice launch --nnodes 2 --rdzv-endpoint <node 0>:PORT`` on each host
+meets, trains a DDP model over gloo across the link and reaches the weights one host reaches
+on the whole batch; and it does so where each host's name resolves to 127.0.0.1 (many
+containers, Kaggle, Colab), where the workers must be told the address that reaches the
+rendezvous rather than the hostname's.
+
+Everything is started here and stopped by pid; the namespaces, the veth pair and the
+``/etc/netns`` entries are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PORT = 29400
+STEPS = 5
+
+TRAIN = textwrap.dedent(
+    f"""
+    import os
+    import socket
+    import sys
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import anydevice as ad
+
+    if __name__ == "__main__":
+        with ad.distributed() as d:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 1)
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(16, 4, generator=g)
+            y = x.sum(1, keepdim=True) + 1.0
+            ddp = DDP(model)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            xs, ys = x[d.rank :: d.world_size], y[d.rank :: d.world_size]
+            for _ in range({STEPS}):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(ddp(xs), ys).backward()
+                opt.step()
+            print("RANK", d.rank, "OF", d.world_size, "ON", socket.gethostname(), flush=True)
+            print("MASTER_ADDR", os.environ["MASTER_ADDR"], flush=True)
+            print("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"), flush=True)
+            if d.rank == 0:
+                torch.save(model.state_dict(), sys.argv[1])
+    """
+)
+
+
+def one_host_weights() -> dict[str, torch.Tensor]:
+    """The same steps on the whole batch in this process: what DDP must reach."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=g)
+    y = x.sum(1, keepdim=True) + 1.0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@dataclass
+class Hosts:
+    names: tuple[str, str]  #: the namespaces
+    veths: tuple[str, str]  #: each one's end of the veth pair
+    addrs: tuple[str, str]
+    hostnames: tuple[str, str]
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+
+
+def _needs() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root: run `make test-infra` as root")
+    for tool in ("ip", "unshare", "hostname"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"`{tool}` is not installed (Debian: iproute2, util-linux, hostname)")
+
+
+def _hosts(loopback_hostnames: bool) -> Iterator[Hosts]:
+    _needs()
+    tag = f"ad{os.getpid() % 100000}{'l' if loopback_hostnames else 'd'}"
+    names = (f"{tag}n0", f"{tag}n1")
+    net = 16 + os.getpid() % 200 + (1 if loopback_hostnames else 0)
+    addrs = (f"10.231.{net}.1", f"10.231.{net}.2")
+    hostnames = (f"{tag}-node0", f"{tag}-node1")
+    made: list[str] = []
+    try:
+        for ns in names:
+            r = _run("ip", "netns", "add", ns)
+            if r.returncode != 0:
+                pytest.skip(f"`ip netns add` failed here ({r.stderr.strip()}): no namespaces")
+            made.append(ns)
+        veth = (f"{tag}a", f"{tag}b")
+        steps = [
+            ("ip", "link", "add", veth[0], "netns", names[0], "type", "veth", "peer", "name",
+             veth[1], "netns", names[1]),
+        ]  # fmt: skip
+        for ns, dev, addr in zip(names, veth, addrs, strict=True):
+            steps += [
+                ("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                ("ip", "-n", ns, "link", "set", dev, "up"),
+                ("ip", "-n", ns, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            r = _run(*step)
+            assert r.returncode == 0, f"{' '.join(step)}: {r.stderr}"
+        for ns, hostname, addr in zip(names, hostnames, addrs, strict=True):
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            if loopback_hostnames:  # as in many containers: the hostname is loopback
+                lines = [f"127.0.0.1 localhost {hostname}"]
+            else:
+                lines = ["127.0.0.1 localhost"] + [
+                    f"{a} {h}" for a, h in zip(addrs, hostnames, strict=True)
+                ]
+            (etc / "hosts").write_text("\n".join(lines) + "\n")
+            r = _run("ip", "netns", "exec", ns, "getent", "hosts", hostname)
+            assert r.returncode == 0
+            assert r.stdout.split()[0] == ("127.0.0.1" if loopback_hostnames else addr)
+        yield Hosts(names, veth, addrs, hostnames)
+    finally:
+        for ns in made:
+            r = _run("ip", "netns", "pids", ns)
+            for pid in r.stdout.split():  # only what this test started lives there
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _run("ip", "netns", "del", ns)  # takes its end of the veth pair, and the pair
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+@pytest.fixture
+def distinct_hostnames() -> Iterator[Hosts]:
+    yield from _hosts(loopback_hostnames=False)
+
+
+@pytest.fixture
+def loopback_hostnames() -> Iterator[Hosts]:
+    yield from _hosts(loopback_hostnames=True)
+
+
+def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    out = tmp_path / "weights.pt"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    procs = []
+    for node, (ns, hostname) in enumerate(zip(hosts.names, hosts.hostnames, strict=True)):
+        launch = [
+            sys.executable, "-m", "anydevice", "launch", "--nnodes", "2", "--node-rank",
+            str(node), "-n", "1", "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}",
+            "--timeout", "60", str(script), str(out),
+        ]  # fmt: skip
+        inner = f"hostname {hostname} && exec " + " ".join(launch)
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", inner],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=tmp_path,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, f"node exited {p.returncode}:\n{text}"
+    return outputs, out
+
+
+def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
+    for node, text in enumerate(outputs):
+        assert f"RANK {node} OF 2 ON {hosts.hostnames[node]}" in text, text
+        # c10d's reverse lookups of peers without a name stay out of the launch's output.
+        assert "hostname of the client socket cannot be retrieved" not in text, text
+        # The workers meet at node 0's address on the link, over each node's end of it.
+        assert f"MASTER_ADDR {hosts.addrs[0]}" in text, text
+        assert f"GLOO_SOCKET_IFNAME {hosts.veths[node]}" in text, text
+    got = torch.load(out, weights_only=True)
+    want = one_host_weights()
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_across_two_hosts(distinct_hostnames: Hosts, tmp_path: Path) -> None:
+    outputs, out = _launch_both(distinct_hostnames, tmp_path)
+    _check(distinct_hostnames, outputs, out)
+
+
+def test_ddp_across_two_hosts_whose_hostnames_are_loopback(
+    loopback_hostnames: Hosts, tmp_path: Path
+) -> None:
+    outputs, out = _launch_both(loopback_hostnames, tmp_path)
+    _check(loopback_hostnames, outputs, out)
