@@ -244,7 +244,9 @@ def device_free_total(device: torch.device) -> tuple[int | None, int | None, lis
     total = None if info is None else info.memory_total
     if free is not None or device.type != "cuda":
         return free, total, []
-    if torch.cuda.is_initialized() and _has_context(index):
+    from anydevice.backends.cuda import has_primary_context
+
+    if has_primary_context(index):
         free, total = (int(v) for v in torch.cuda.mem_get_info(index))
         return free, total, ["free and total read from CUDA (NVML unavailable)"]
     return (
@@ -255,13 +257,6 @@ def device_free_total(device: torch.device) -> tuple[int | None, int | None, lis
             f"(~500 MB) on cuda:{index}; it is read once this process uses the device"
         ],
     )
-
-
-def _has_context(index: int) -> bool:
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # private, but it only looks
-    if has is not None:
-        return bool(has(index))
-    return int(torch.cuda.memory_reserved(index)) > 0
 
 
 def empty_cache(device: torch.device) -> None:
