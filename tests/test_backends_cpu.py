@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from anydevice.backends import cpu
 from anydevice.backends.cpu import CpuBackend, cgroup_cpu_quota, cgroup_memory_limit, torch_build
@@ -66,3 +71,53 @@ def test_probe_gives_one_cpu_and_the_host_fields():
     assert device.utilization is None  # telemetry off
     assert probe.host["torch_build"] == torch_build()
     assert probe.host["cores_usable"] >= 1
+
+
+# A child process counts the files each probe opens, through Python's audit hook (every
+# open() raises an "open" event): nothing is replaced, the probe reads as it always does.
+COUNT_OPENS = """
+import collections, sys
+from anydevice.backends.cpu import CpuBackend
+
+opened, on = collections.Counter(), [False]
+
+def hook(event, args):
+    if on[0] and event == "open" and isinstance(args[0], str):
+        opened[args[0]] += 1
+
+sys.addaudithook(hook)
+backend = CpuBackend()
+first = backend.probe(telemetry=False)
+on[0] = True
+second = backend.probe(telemetry=False)
+on[0] = False
+print(repr(dict(opened)))
+print(first.host["cpu_model"] == second.host["cpu_model"], second.host["cores_physical"])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_a_second_probe_reads_only_what_can_change():
+    out = subprocess.run(
+        [sys.executable, "-c", COUNT_OPENS], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    opened: dict[str, int] = ast.literal_eval(lines[0])
+    # The CPU's model, flags and topology: read by the first probe, not again.
+    assert "/proc/cpuinfo" not in opened, opened
+    assert not [p for p in opened if p.startswith("/sys/devices/system/cpu")], opened
+    # Memory and the cgroup (its limits can change while the process runs): read again.
+    assert opened.get("/proc/meminfo", 0) >= 1, opened
+    assert opened.get("/proc/self/cgroup", 0) >= 1, opened
+    assert lines[1].startswith("True ")
+
+
+def test_the_cgroup_memory_limit_is_read_on_every_probe(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu, "_cgroup_dirs", lambda root, controller: [tmp_path])
+    _write(tmp_path, "memory.max", f"{2**30}\n")
+    assert CpuBackend().probe(telemetry=False).host["memory_limit"] == 2**30
+    _write(tmp_path, "memory.max", f"{2**29}\n")  # as `docker update --memory` does
+    probe = CpuBackend().probe(telemetry=False)
+    assert probe.host["memory_limit"] == 2**29
+    assert probe.host["memory_total"] <= 2**29

@@ -1,14 +1,22 @@
-"""The CPU, and the host facts every inventory carries (OS, cores, cgroup limits, RAM)."""
+"""The CPU, and the host facts every inventory carries (OS, cores, cgroup limits, RAM).
+
+What cannot change while the process runs (the CPU's model and flags, its physical core
+count, the OS and Python) is read once per process (:func:`_fixed_facts`). What can is
+read on every probe: memory, the cgroup's CPU quota and memory limit (a container's
+limits can be changed while it runs, ``docker update``), the CPUs this process may run on
+(``taskset``), torch's thread count, and the telemetry.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from anydevice import torchbuild
 from anydevice.backends.base import Backend, Probe
@@ -52,15 +60,13 @@ class CpuBackend(Backend):
     def _probe(self, telemetry: bool, torch_facts: dict[str, Any], notes: tuple[str, ...]) -> Probe:
         import psutil  # light, but only needed when someone looks
 
+        fixed = _fixed_facts()
         vm = psutil.virtual_memory()
         limit = cgroup_memory_limit()
         total = min(vm.total, limit) if limit else vm.total
         available = min(vm.available, total)
-        logical = os.cpu_count() or 1
         quota = cgroup_cpu_quota()
-        usable = _usable_cores(logical, quota)
-        model = cpu_model()
-        flags = _cpu_flags()
+        usable = _usable_cores(fixed.cores_logical, quota)
         utilization = temperature = None
         if telemetry:
             utilization = psutil.cpu_percent(interval=0.05)
@@ -68,23 +74,23 @@ class CpuBackend(Backend):
         device = DeviceInfo(
             kind="cpu",
             index=None,
-            name=model,
+            name=fixed.model,
             memory_total=total,
             memory_free=available,
             memory_used=total - available,
-            bf16=_native_bf16(flags),
+            bf16=fixed.bf16,
             tf32=False,
             utilization=utilization,
             temperature=temperature,
         )
         host: dict[str, Any] = {
             "hostname": platform.node(),
-            "os": platform.platform(),
-            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "os": fixed.os,
+            "python": fixed.python,
             **torch_facts,
-            "cpu_model": model,
-            "cores_logical": logical,
-            "cores_physical": psutil.cpu_count(logical=False),
+            "cpu_model": fixed.model,
+            "cores_logical": fixed.cores_logical,
+            "cores_physical": fixed.cores_physical,
             "cores_usable": usable,
             "cpu_quota": quota,
             "memory_total": total,
@@ -92,6 +98,33 @@ class CpuBackend(Backend):
             "memory_limit": limit,
         }
         return Probe(devices=(device,), host=host, notes=notes)
+
+
+class _Fixed(NamedTuple):
+    """The host facts that stay as they are while the process runs."""
+
+    model: str
+    bf16: bool | None
+    cores_logical: int
+    cores_physical: int | None
+    os: str
+    python: str
+
+
+@functools.cache
+def _fixed_facts() -> _Fixed:
+    """The CPU's model, native bf16, core counts, the OS and Python: read once per process
+    (``/proc/cpuinfo`` and the CPU topology files are read on the first call only)."""
+    import psutil
+
+    return _Fixed(
+        model=cpu_model(),
+        bf16=_native_bf16(_cpu_flags()),
+        cores_logical=os.cpu_count() or 1,
+        cores_physical=psutil.cpu_count(logical=False),
+        os=platform.platform(),
+        python=f"{platform.python_implementation()} {platform.python_version()}",
+    )
 
 
 def torch_build() -> str:
