@@ -271,23 +271,36 @@ def test_device_loader_copies_the_next_batch_while_this_one_computes() -> None:
     assert all(overlapped), (overlapped, copies, computes)
 
 
-def test_without_prefetch_batches_are_copied_on_the_consumers_stream() -> None:
-    """``prefetch=False``: each batch is read when the loop asks and is pageable, so its
-    copy goes on the consumer's stream, after the step it follows, not on the copy stream
-    (where it would wait for that step with the host held); batches arrive whole."""
+def test_device_loader_without_prefetch_hands_out_before_the_compute_ends() -> None:
+    """``prefetch=False``: the source is read on the calling thread when the loop asks. A
+    pageable batch is pinned there, so its copy is queued and the next batch is in the
+    loop's hands while the compute of the last one still runs; a copy from pageable memory
+    would make the host wait for that compute and the copy. Ordering on the simulator's
+    clock, with compute far longer than the host's work."""
     import anydevice as ad
     from anydevice import testing
 
-    batches = [torch.full((N // 4,), float(i)) for i in range(3)]
-    with testing.trace() as spans:
-        for i, x in enumerate(ad.DeviceLoader(batches, NAME, prefetch=False)):
-            testing.busy(0.005)
-            got = (x * 1).cpu()
-            assert not torch.isnan(got).any() and (got == float(i)).all(), i
-        torch.accelerator.synchronize()
+    testing.set_bandwidth(N / 0.02)  # 20 ms per batch of N // 4 floats
+    batches = [torch.full((N // 4,), float(i)) for i in range(3)]  # pageable
+    loader = ad.DeviceLoader(batches, NAME, prefetch=False)
+    handed: list[float] = []
+    kept: list[torch.Tensor] = []
+    try:
+        with testing.trace() as spans:
+            for x in loader:
+                handed.append(time.monotonic())
+                testing.busy(0.5)  # compute on the consumer's stream: queued, not run
+                kept.append(x)
+            torch.accelerator.synchronize()
+    finally:
+        testing.set_bandwidth("2GB/s")
+    computes = sorted((s for s in spans if s.what == "busy"), key=lambda s: s.start)
     copies = [s for s in spans if s.what == "h2d"]
-    here = torch.accelerator.current_stream().stream_id
-    assert len(copies) == 3 and all(c.stream == here for c in copies), (here, copies)
+    assert len(computes) == 3 and len(copies) == 3
+    early = [handed[k + 1] < computes[k].end for k in range(2)]
+    assert early == [True, True], (handed, computes)
+    assert [bool((x.cpu() == float(i)).all()) for i, x in enumerate(kept)] == [True] * 3
+    assert loader.stats.pinned is False  # what the source delivered: pageable
 
 
 def test_side_stream_waits_on_entry_and_on_exit(slow_link: None) -> None:

@@ -162,6 +162,28 @@ def test_pinned_and_pageable_sources_and_dataloader_workers_agree():
         assert loader.stats.bandwidth is not None
 
 
+def test_without_prefetch_next_pins_and_does_not_wait_for_the_queued_compute():
+    # prefetch=False reads the source on this thread. A copy from pageable memory would
+    # hold the host until the compute queued before it and the copy itself were done
+    # (64 MiB is far more than the driver's staging buffer); pinned here, the copy is
+    # queued and next() returns while that compute still runs.
+    data = [torch.full((1 << 24,), float(i)) for i in range(3)]  # pageable, 64 MiB each
+    loader = ad.DeviceLoader(data, "cuda", prefetch=False)
+    it = iter(loader)
+    got = [next(it)]  # also fills the pinned-memory cache, reused by the next batches
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of compute on the consumer's stream
+    got.append(next(it))
+    computing = not torch.cuda.current_stream().query()
+    got.append(next(it))
+    torch.cuda.synchronize()
+    assert computing, "next() waited for the compute queued before it"
+    assert [b.device.type for b in got] == ["cuda"] * 3
+    assert [(b.min().item(), b.max().item()) for b in got] == [(0, 0), (1, 1), (2, 2)]
+    assert loader.stats.pinned is False  # what the source delivered
+    assert loader.stats.bytes_moved == 3 * (4 << 24)
+
+
 def test_reserved_memory_is_flat_with_a_loader_built_every_epoch():
     # A common loop (and the gpu_loader benchmark's): a new DeviceLoader per epoch. A new
     # stream per loader would strand each epoch's cached blocks in its own pool.

@@ -46,9 +46,14 @@ instead of growing over the epoch. On the CPU there is nothing to copy, so by de
 thread either: a batch costs a few microseconds more than iterating the source itself.
 Without the thread (``prefetch=False``) the source is read only when the loop asks for a
 batch, never ahead: reading ahead on the consumer's thread would block it on a source that
-waits for the consumer. Each batch is then copied on the consumer's stream, not the copy
-stream: read when the step needs it and unpinned, its copy has nothing to overlap with,
-and on a copy stream it would wait for the queued step while the host stages it.
+waits for the consumer. Where copies can be asynchronous (a copy stream), that batch is
+then pinned on the calling thread before its copy is queued on the copy stream: a copy
+from pageable memory returns only once it has landed, so the host would wait for the
+compute queued before it (which the copy stream waits for) and the copy, every step. The
+pin is the host-side copy the driver makes into its staging buffer anyway; with it,
+``next()`` returns while the device still computes, and the host stays a step ahead. The
+copy of batch k+1 still runs after the compute of batch k (it is read only then), so
+``prefetch=True`` (the default on accelerators) is what overlaps them.
 """
 
 from __future__ import annotations
@@ -217,9 +222,9 @@ class DeviceLoader(Generic[T]):
             compute; not on the CPU, where there is no copy to hide and the thread only
             competes with the step for the GIL (measured: 13 % slower on a small step).
             Pass False when the source must be read from the calling thread (e.g. it
-            holds a sqlite3 connection): each batch is then read when the loop asks for it
-            and copied on the loop's own stream, asynchronously, with no overlap to gain.
-            True to prefetch on the CPU anyway.
+            holds a sqlite3 connection): with a copy stream, each batch is then pinned on
+            that thread and its copy queued, so ``next()`` does not wait for the device
+            (no overlap of copy and compute, though). True to prefetch on the CPU anyway.
         depth: how many host batches the background thread may hold ready.
 
     Attributes:
@@ -603,14 +608,6 @@ class _Pass:
         if self.copier is not None:
             self.device = self.copier.device  # with its index: compared with tensors' below
         self.xla = self.device.type == "xla"
-        # Without the thread a batch is read when the loop asks for it and comes pageable
-        # (pinning on this thread costs more than the copy). On the copy stream that copy
-        # would wait for the step queued so far, and a pageable copy is staged by the host
-        # meanwhile: no overlap, and the host held. It goes on the consumer's stream
-        # instead, after the step it follows, and the host goes on at once.
-        self.on_consumer = self.copier is not None and not owner.prefetch
-        if self.on_consumer:
-            self.copier = None
         self.counters = _Counters(None if self.copier is None else self.copier.times)
         self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
         self.done = False
@@ -658,8 +655,14 @@ class _Pass:
                 batch = next(self.source)
             except StopIteration:
                 return _END, 0, None
-            if self.copier is not None:  # no pinning on the main thread: it costs more
-                return batch, nbytes_off(batch, self.device), False
+            if self.copier is not None:
+                # Pinned here, on the calling thread: a copy from pageable memory makes the
+                # host wait until it has landed, so until the compute queued before it too
+                # (the copy stream waits for it). The pin is the host-side copy the driver
+                # would make into its staging buffer anyway; after it the copy is queued and
+                # this returns without waiting for the device. The pinned buffer is the
+                # allocator's (CUDA's caches it) and lives until the copy has read it.
+                return pin_leaves(batch, self.copier.device, self.copier.pin)
             return batch, 0, None
         finally:
             c.wait += time.perf_counter() - t0
@@ -683,9 +686,7 @@ class _Pass:
             c.pinned = pinned if c.pinned is None else (c.pinned and pinned)
         copier = self.copier
         if copier is None:
-            # on_consumer: from pageable memory an asynchronous copy returns once the host
-            # staged it, so the source may be reused; the consumer's stream orders the rest
-            moved = to(batch, self.device, non_blocking=True if self.on_consumer else "auto")
+            moved = to(batch, self.device)
             if self.owner.transform is not None:
                 moved = self.owner.transform(moved)
             if self.device.type != "cpu" and nbytes == 0:
