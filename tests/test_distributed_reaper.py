@@ -259,3 +259,39 @@ def test_a_preemption_signal_to_one_rank_is_reported_as_a_preemption(tmp_path):
     assert "preempted: SIGTERM reached rank(s) 1" in err, err
     assert "on_preempt ran on rank(s) 0, 1" in err, err
     assert "no Python traceback" not in err, err
+
+
+#: ad.launch whose worker starts a daemon that execs with the worker's descriptors
+#: (close_fds=False, as a fork + exec does): the launch must see the worker end.
+AD_DAEMON = """\
+import subprocess, sys, time
+import anydevice as ad
+
+def work(rank_file):
+    subprocess.Popen(["sleep", "40"], close_fds=False, start_new_session=True)
+    return 1
+
+if __name__ == "__main__":
+    t = time.monotonic()
+    print(ad.launch(work, "x", nprocs=1, timeout=60), round(time.monotonic() - t), flush=True)
+"""
+
+
+def test_ad_launch_sees_its_worker_end_although_a_daemon_it_started_runs_on(tmp_path):
+    """The daemon inherited the pipe whose closing tells ad.launch its worker ended, so
+    the launch waited for the daemon (40 s); it now returns when the worker does, and the
+    daemon is ended with the launch."""
+    script = tmp_path / "daemon.py"
+    script.write_text(AD_DAEMON)
+    proc = _start([sys.executable, str(script)], tmp_path)
+    try:
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    result, took = out.split("}")[0] + "}", int(out.split("}")[1])
+    assert result == "{0: 1}", out
+    assert took < 35, f"ad.launch waited {took} s: for the daemon, not the worker"
+    assert "ended them" in err, err

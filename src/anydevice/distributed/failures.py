@@ -108,7 +108,7 @@ def is_consequence(error: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, DistributedTimeoutError) or type(seen).__name__ in _DIST_ERRORS:
             return True
-        if _CONSEQUENCES.search(str(seen)):
+        if _CONSEQUENCES.search(str(seen)) and not _own_io(seen):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -461,6 +461,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _own_io(error: BaseException) -> bool:
+    """Whether ``error`` is one of Python's own ``OSError`` types (its own I/O failed): a
+    print to a closed stdout, a socket of the user's. A peer's failure reaches a rank
+    through torch's errors (``DistBackendError``, gloo's ``RuntimeError``), never as one."""
+    return isinstance(error, OSError) and type(error).__module__ == "builtins"
 
 
 def _from_record(rank: int, local: int, data: dict[str, Any], reported: Any) -> _Failure:

@@ -67,6 +67,7 @@ def worker() -> Iterator[None]:
     if os.environ.get(FORKED) == "1":
         _one_thread_after_fork()
     if launched:
+        _keep_inherited_pipes()
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
     try:
@@ -110,6 +111,27 @@ def _die_with_launcher(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="anydevice-launcher-watch", daemon=True).start()
+
+
+def _keep_inherited_pipes() -> None:
+    """Keep the descriptors this worker inherited (beyond 0, 1, 2) out of the programs its
+    own children run.
+
+    A worker ``ad.launch`` spawns holds the write end of a pipe whose closing tells the
+    launcher that it ended (multiprocessing's sentinel). A process the worker starts with
+    ``os.fork`` and ``exec`` (a daemon, a server) would inherit it, and the launcher would
+    wait for that process to end before it sees the worker's end. ``subprocess`` closes
+    them already; ``exec`` now does too.
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: leave them
+        return
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                if os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
 
 
 def _dump_stacks_on_sigterm(launch_dir: str) -> None:
