@@ -155,3 +155,11 @@ def test_forking_from_a_notebook_after_cuda_is_refused_with_the_way_out():
     assert kind == "DistributedError", out
     assert "CUDA is already initialised" in said and "restart the kernel" in said
     assert ".py file" in said
+
+
+def test_a_notebook_lambda_is_refused_for_what_it_is():
+    """Not importable from any module: pickle's refusal, not the advice to move it."""
+    out = _run(LAUNCH + "\nprint(repr(run(lambda x: x, 3)))\n")
+    kind, said = ast.literal_eval(out)
+    assert kind == "DistributedError", out
+    assert "not a lambda" in said and "<lambda>" in said

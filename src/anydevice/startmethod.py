@@ -133,12 +133,7 @@ def main_references(obj: Any) -> list[str]:
         Exception: whatever pickling ``obj`` raises (a lambda, an open file, ...).
     """
     finder = _MainFinder()
-    try:
-        finder.dump(obj)
-    except Exception:
-        if not (finder.found and interactive_main()):
-            raise
-        # what pickle stopped at is most likely one of them
+    finder.dump(obj)  # a lambda or a nested function fails here: not a question of modules
     return list(finder.found) if interactive_main() else []
 
 
