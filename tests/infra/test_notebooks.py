@@ -93,13 +93,11 @@ def _error(outputs: list[Any]) -> tuple[str, str]:
     return errors[0] if errors else ("", "")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], RecordingClient]:
-    """The notebook, executed once: its cells by name, and the client that ran it."""
-    cuda = _cuda_available()
-    names = [n for n in CELLS if n != "cuda-fork" or cuda]
+def _execute(names: list[str], here: Path) -> tuple[dict[str, Any], RecordingClient]:
+    """Run the named cells as one notebook in a fresh kernel in ``here``: the cells by name,
+    after the run, and the client that ran them. The kernel and all it started are gone
+    when it returns."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELLS[n]) for n in names])
-    here = tmp_path_factory.mktemp("notebook")
     client = RecordingClient(
         nb,
         timeout=240,  # per cell; the doctor's quick plan measures for 10 s
@@ -134,20 +132,24 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def _cuda_available() -> bool:
-    import torch
+def test_a_notebook_in_a_real_kernel(tmp_path: Path) -> None:
+    """One notebook, one kernel (one test, so that parallel test workers never run two)."""
+    cells, client = _execute([n for n in CELLS if n != "cuda-fork"], tmp_path)
+    _check_every_cell_ran(cells)
+    _check_the_inventory_shows_as_a_table(cells)
+    _check_timeit_shows_its_measurement(cells)
+    _check_the_doctor_shows_progress_then_its_report(cells, client)
+    _check_a_cell_function_launches_two_forked_processes(cells)
+    _check_spawned_launch_refuses_a_cell_function(cells)
+    _check_a_cell_dataset_under_spawned_loader_workers_is_named(cells)
 
-    return torch.cuda.is_available()  # asks the driver; initialises nothing
 
-
-def test_every_cell_ran_in_the_kernel(run: tuple[dict[str, Any], RecordingClient]) -> None:
-    cells, _ = run
+def _check_every_cell_ran(cells: dict[str, Any]) -> None:
     for name in ("setup", "inventory", "print", "timeit", "doctor", "define", "fork"):
         assert _error(cells[name].outputs) == ("", ""), (name, cells[name].outputs)
 
 
-def test_the_inventory_shows_as_a_table(run: tuple[dict[str, Any], RecordingClient]) -> None:
-    cells, _ = run
+def _check_the_inventory_shows_as_a_table(cells: dict[str, Any]) -> None:
     html = _text(cells["inventory"].outputs, "text/html")
     assert html.startswith("<div>") and "<table>" in html and "<b>host</b>" in html
     assert "torch" in html and "cpu" in html
@@ -156,17 +158,15 @@ def test_the_inventory_shows_as_a_table(run: tuple[dict[str, Any], RecordingClie
     assert "\x1b[" not in printed  # plain text, no terminal colours
 
 
-def test_timeit_shows_its_measurement(run: tuple[dict[str, Any], RecordingClient]) -> None:
-    cells, _ = run
+def _check_timeit_shows_its_measurement(cells: dict[str, Any]) -> None:
     shown = _text(cells["timeit"].outputs)
     assert shown.startswith("Measurement('mm 64', cpu): median"), shown
     assert "samples" in shown
 
 
-def test_the_doctor_shows_progress_in_place_then_its_report(
-    run: tuple[dict[str, Any], RecordingClient],
+def _check_the_doctor_shows_progress_then_its_report(
+    cells: dict[str, Any], client: RecordingClient
 ) -> None:
-    cells, client = run
     index = list(cells).index("doctor")
     messages = client.messages[index]
     shown = [m for m in messages if m["msg_type"] == "display_data"]
@@ -186,10 +186,7 @@ def test_the_doctor_shows_progress_in_place_then_its_report(
     assert "checks" in report and "measured" in report
 
 
-def test_a_cell_function_launches_two_forked_processes(
-    run: tuple[dict[str, Any], RecordingClient],
-) -> None:
-    cells, _ = run
+def _check_a_cell_function_launches_two_forked_processes(cells: dict[str, Any]) -> None:
     result = ast.literal_eval(_text(cells["fork"].outputs))  # {rank: (rank, pid, 9)}
     assert sorted(result) == [0, 1]
     assert [r[0] for r in result.values()] == [0, 1] and {r[2] for r in result.values()} == {9}
@@ -197,20 +194,16 @@ def test_a_cell_function_launches_two_forked_processes(
     assert kernel_pid not in {r[1] for r in result.values()}  # two processes of their own
 
 
-def test_spawned_launch_workers_refuse_a_cell_function_with_the_fix(
-    run: tuple[dict[str, Any], RecordingClient],
+def _check_spawned_launch_refuses_a_cell_function(
+    cells: dict[str, Any],
 ) -> None:
-    cells, _ = run
     name, said = _error(cells["spawn"].outputs)
     assert name == "WorkerImportError", cells["spawn"].outputs
     assert "function work" in said and "'spawn'" in said
     assert ".py file" in said and "start_method='fork'" in said
 
 
-def test_a_cell_dataset_under_spawned_loader_workers_is_named(
-    run: tuple[dict[str, Any], RecordingClient],
-) -> None:
-    cells, _ = run
+def _check_a_cell_dataset_under_spawned_loader_workers_is_named(cells: dict[str, Any]) -> None:
     name, said = _error(cells["dataset"].outputs)
     assert name == "WorkerImportError", cells["dataset"].outputs
     assert "dataset (class DS)" in said and "num_workers=0" in said and ".py file" in said
@@ -221,10 +214,8 @@ def test_a_cell_dataset_under_spawned_loader_workers_is_named(
 
 
 @pytest.mark.cuda
-def test_forking_after_cuda_in_a_notebook_is_refused_with_the_fix(
-    run: tuple[dict[str, Any], RecordingClient],
-) -> None:
-    cells, _ = run
+def test_forking_after_cuda_in_a_notebook_is_refused_with_the_fix(tmp_path: Path) -> None:
+    cells, _ = _execute(["setup", "define", "cuda-fork"], tmp_path)
     name, said = _error(cells["cuda-fork"].outputs)
     assert name == "DistributedError", cells["cuda-fork"].outputs
     assert "CUDA is already initialised" in said and "restart the kernel" in said
