@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 from anydevice.distributed import environment
 from anydevice.distributed.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.distributed.environment import World
-from anydevice.errors import DeviceNotFoundError, DistributedError, WorkerImportError
+from anydevice.errors import DeviceNotFoundError, DistributedError
 from anydevice.inventory import Inventory
 
 __all__ = [
@@ -478,6 +478,7 @@ def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method:
                 )
             )
         return
+    from anydevice.errors import WorkerImportError
     from anydevice.startmethod import check_launch
 
     try:
