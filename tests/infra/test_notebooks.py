@@ -4,9 +4,9 @@ The notebook is built with nbformat and executed cell by cell by an ipykernel th
 nbclient, and each cell's outputs are read as a notebook front end reads them: the
 inventory as an HTML table, ``ad.timeit``'s result, the doctor's progress (updated in
 place, message by message) and report, two processes launched from a function defined in
-a cell (forked; spawned ones are refused with the way out), and the named refusal of a
-dataset defined in a cell under spawned DataLoader workers. The kernel and every process
-it started are gone afterwards.
+a cell (forked, with an all_reduce between them; spawned ones are refused with the way
+out), and the named refusal of a dataset defined in a cell under spawned DataLoader
+workers. The kernel and every process it started are gone afterwards.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ CELLS = {
     "print": "print(ad.inventory())",
     "timeit": "a = torch.ones(64, 64)\nad.timeit(torch.mm, a, a, min_time=0.05, label='mm 64')",
     "define": (
-        "def work(x):\n    import os\n    return (int(os.environ['RANK']), os.getpid(), x * x)\n"
+        "def work(x):\n"
+        "    import os\n"
+        "    import torch.distributed as dist\n"
+        "    with ad.distributed() as d:\n"
+        "        total = torch.tensor([float(d.rank + 1)], device=d.device)\n"
+        "        dist.all_reduce(total)\n"
+        "        return (d.rank, os.getpid(), x * x, total.item())\n"
     ),
     "fork": "ad.launch(work, 3, nprocs=2, start_method='fork', timeout=120)",
     "spawn": "ad.launch(work, 3, nprocs=2, timeout=120)",
@@ -187,9 +193,10 @@ def _check_the_doctor_shows_progress_then_its_report(
 
 
 def _check_a_cell_function_launches_two_forked_processes(cells: dict[str, Any]) -> None:
-    result = ast.literal_eval(_text(cells["fork"].outputs))  # {rank: (rank, pid, 9)}
+    result = ast.literal_eval(_text(cells["fork"].outputs))  # {rank: (rank, pid, 9, 1 + 2)}
     assert sorted(result) == [0, 1]
-    assert [r[0] for r in result.values()] == [0, 1] and {r[2] for r in result.values()} == {9}
+    assert [r[0] for r in result.values()] == [0, 1]
+    assert {r[2:] for r in result.values()} == {(9, 3.0)}  # an all_reduce between them
     kernel_pid = int(_text(cells["setup"].outputs))
     assert kernel_pid not in {r[1] for r in result.values()}  # two processes of their own
 
