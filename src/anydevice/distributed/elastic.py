@@ -171,9 +171,9 @@ def launch(
             reached.
         DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
             ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``).
+        DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
         WorkerImportError: ``fn``, or something in ``args``, is defined in an interactive
             session (a notebook cell) that ``spawn``ed workers cannot import from.
-        DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
     """
     world = environment.detect()
     if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
