@@ -347,10 +347,52 @@ def render_measurements(m: Measurements, console: Console) -> None:
     )
 
 
+class _ProgressLine:
+    """What a notebook shows of the measuring: text, or HTML with a ``<progress>`` bar."""
+
+    def __init__(self, done: int, total: int, title: str, left: float, took: float) -> None:
+        self.done, self.total, self.title, self.left, self.took = done, total, title, left, took
+
+    def __repr__(self) -> str:
+        if self.title == "done":
+            return f"measured {self.total} steps in {self.took:.0f} s"
+        return (
+            f"measuring {self.done}/{self.total or '?'} ({self.took:.0f} s, at most "
+            f"{self.left:.0f} s left) {self.title}"
+        )
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        bar = f"<progress value='{self.done}' max='{max(self.total, 1)}'></progress> "
+        return f"<div>{bar}{escape(repr(self))}</div>"
+
+
+@contextlib.contextmanager
+def _notebook_progress() -> Iterator[Progress]:
+    """Progress as a display that each step replaces (no widgets needed)."""
+    import importlib
+    import time
+
+    display = importlib.import_module("IPython.display").display  # there in any notebook
+    start = time.monotonic()
+    handle = display(_ProgressLine(0, 0, "starting", 0.0, 0.0), display_id=True)
+
+    def update(done: int, total: int, title: str, left: float) -> None:
+        handle.update(_ProgressLine(done, total, title, left, time.monotonic() - start))
+
+    yield update
+
+
 @contextlib.contextmanager
 def measuring(console: Console) -> Iterator[Progress]:
-    """A progress bar on ``console`` (when it is a terminal) and the callback that moves it;
-    it shows the seconds of the time budget left."""
+    """A progress bar on ``console`` (when it is a terminal; in a notebook, one line that
+    updates in place) and the callback that moves it; it shows the seconds of the time
+    budget left."""
+    if console.is_jupyter:  # rich's live bar needs ipywidgets there, and is off without
+        with _notebook_progress() as step:
+            yield step
+        return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     bar = Progress(

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import logging
 import os
-import pickle
 import sys
 import uuid
 from collections.abc import Callable, Mapping
@@ -182,6 +181,8 @@ def launch(
             script that calls ``launch`` outside ``if __name__ == "__main__":``, which
             every ``spawn``/``forkserver`` worker would run again).
         DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
+        WorkerImportError: ``fn``, or something in ``args``, is defined in an interactive
+            session (a notebook cell) that ``spawn``ed workers cannot import from.
     """
     _refuse_while_a_worker_starts()
     world = environment.detect()
@@ -568,20 +569,26 @@ def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method:
         from anydevice.backends.cuda import driver_initialized
 
         if driver_initialized():
+            from anydevice.startmethod import interactive_main
+
             raise DistributedError(
                 "CUDA is already initialised in this process, so forked workers cannot use "
-                "it (and may hang). Use start_method='spawn' (the default)."
+                "it (and may hang). Use start_method='spawn' (the default)"
+                + (
+                    ", with the function in a .py file next to the notebook, imported from "
+                    "there; or restart the kernel and launch before anything uses CUDA."
+                    if interactive_main()
+                    else "."
+                )
             )
         return
-    main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
-        raise DistributedError(
-            f"{getattr(fn, '__qualname__', fn)!r} is defined in an interactive session, which "
-            f"{start_method}ed workers cannot import. Move it into a module, or use "
-            "start_method='fork' (safe only before CUDA is used in this process)."
-        )
+    from anydevice.errors import WorkerImportError
+    from anydevice.startmethod import check_launch
+
     try:
-        pickle.dumps((fn, args))
+        check_launch(fn, args, start_method)  # a notebook's function or class: say so now
+    except WorkerImportError:
+        raise
     except Exception as e:
         raise DistributedError(
             f"Cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to "
