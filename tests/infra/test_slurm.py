@@ -84,10 +84,24 @@ def _requeued_and_resumed(slurm: Cluster, job: int, limit: float, longer: bool =
         assert time.monotonic() < deadline, f"job {job} not requeued: {info}"
         time.sleep(0.5)
     first = slurm.output(job)
+    # The nodes finish tearing the first run down (COMPLETING) before the rerun may start:
+    # released at once, the rerun could be launched into that and end at 0 s with exit 1.
+    while {line.strip() for line in slurm.run("sinfo", "-h", "-N", "-o", "%T").split()} != {"idle"}:
+        assert time.monotonic() < deadline + 60, slurm.run("sinfo", "-N")
+        time.sleep(0.5)
     update = ["scontrol", "update", f"JobId={job}", "StartTime=now"]
     if longer:  # the rerun finishes long before its own warning signal
         update.append("TimeLimit=10")
     slurm.run(*update)
+    for _ in range(2):
+        info = slurm.wait(job, FINISHED, 180)
+        if info["JobState"] != "FAILED" or info.get("RunTime") != "00:00:00":
+            break
+        # SLURM here now and then fails to launch a released rerun (exit 1 at 0 s, before
+        # any output of it): the library's part (saved, requeued) is done; launch it again.
+        slurm.run("scontrol", "requeue", str(job))
+        slurm.wait(job, ("PENDING",), 60)
+        slurm.run(*update)
     _done(slurm, job, timeout=180)
     return first
 
