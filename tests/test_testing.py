@@ -215,3 +215,21 @@ def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
     proc = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
     assert proc.returncode == 0, proc.stderr
     assert "sim:0" in proc.stdout, proc.stdout
+
+
+def test_synchronize_right_after_enable_waits_for_busy_work() -> None:
+    """In a fresh process, ``busy`` straight after ``enable`` was waited for by nobody:
+    torch skips synchronising a device type it has not initialised (``synchronize``
+    returned in 0.1 ms)."""
+    _toolchain_or_skip()
+    code = (
+        "import time, torch\n"
+        "from anydevice import testing\n"
+        "from anydevice.clocks import synchronize\n"
+        "dev = testing.enable()\n"
+        "t = time.monotonic(); testing.busy(0.1); synchronize(dev)\n"
+        "print(time.monotonic() - t)\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert float(proc.stdout.strip().splitlines()[-1]) >= 0.1, proc.stdout

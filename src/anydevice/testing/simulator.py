@@ -334,6 +334,9 @@ def enable(
         rename_privateuse1_backend(name)
         torch._register_device_module(name, _device_module(name, lib))
         generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+        # torch skips synchronising a device type it has not initialised yet: work queued
+        # with busy() before any tensor or stream was made would be waited for by nobody.
+        torch.accelerator.current_stream(torch.device(name, 0))
         _name = name
         logger.info(
             "anydevice.testing: %r enabled (%d device(s), link %s, capacity %s)",
