@@ -144,7 +144,8 @@ def test_forked_ranks_form_a_gloo_group_and_leave_it(tmp_path):
 def test_the_group_is_destroyed_when_the_block_raises(tmp_path):
     def rank(init_method):
         try:
-            with ad.distributed(init_method=init_method, timeout=30):
+            with ad.distributed(init_method=init_method, timeout=30) as d:
+                d.barrier()  # both joined: a rank raising during the other's connect is not this
                 raise RuntimeError("training failed")
         except RuntimeError as e:
             return str(e), dist.is_initialized()
