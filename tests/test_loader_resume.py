@@ -151,6 +151,7 @@ def _job(folder, stop_at: int | None):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(420)  # three two-rank runs, one after another, on a loaded machine
 def test_a_job_preempted_mid_epoch_resumes_at_the_next_batch_with_the_same_losses(tmp_path):
     with process_tree_guard():
         for name in ("a", "b", "c", "whole", "stopped", "resumed"):

@@ -42,6 +42,7 @@ def _run(body: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_notebook_dataset_under_spawned_workers_is_named_before_they_start():
     out = _run(
         """
@@ -57,6 +58,7 @@ def test_a_notebook_dataset_under_spawned_workers_is_named_before_they_start():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_forked_workers_and_no_workers_import_nothing_and_run():
     out = _run(
         """
@@ -120,6 +122,7 @@ def test_a_notebook_function_or_class_under_spawned_launch_workers_is_named():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_notebook_function_launches_forked_workers():
     out = _run(LAUNCH + "\nprint(repr(run(square, 3, start_method='fork')))\n")
     assert ast.literal_eval(out) == ("ok", {0: 9, 1: 9}), out
