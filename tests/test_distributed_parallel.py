@@ -297,7 +297,8 @@ def test_ddp_strategy_wraps_even_a_group_of_one_and_auto_does_not(tmp_path):
 
 def test_dataparallel_in_a_multi_process_world_is_refused(tmp_path):
     def rank(init_method):
-        with ad.distributed(init_method=init_method, timeout=30):
+        with ad.distributed(init_method=init_method, timeout=30) as d:
+            d.barrier()  # both joined before one leaves (else: gloo's connect sees it go)
             try:
                 ad.prepare(nn.Linear(2, 1), strategy="dp")
             except ad.DistributedError as e:

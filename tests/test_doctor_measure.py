@@ -92,6 +92,9 @@ def test_the_training_step_reports_its_flops_and_mfu(cpu_run):
     assert row.step_flops == 6 * 4 * batch * width * width
     fp32 = cpu_run.result("cpu", "matmul-fp32")
     expected = row.step_flops / row.step_fp32 / (fp32.value * 1e9)
+    if expected > 1:  # the peak was measured while other processes took cores: no MFU
+        assert row.mfu_fp32 is None and row.mfu_invalid, row
+        return
     assert row.mfu_fp32 == pytest.approx(expected)
     # where the CPU has native bf16 the doctor measures a bf16 matmul too: its own source
     assert "fp32 matmul measured here" in row.mfu_source.split("; ")
