@@ -657,3 +657,57 @@ def test_structure_deeper_than_max_depth_is_refused_with_the_path_not_recursion_
     for _ in range(MAX_DEPTH - 1):
         out = out["k"]
     assert out.device == META
+
+
+class _Collections:
+    """Counts the cyclic collector's runs while it is installed."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        self.runs += phase == "start"
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "nested"])
+def test_a_long_walk_runs_no_collection_and_gives_the_collector_back(kind: str) -> None:
+    import gc
+
+    from anydevice.placement import GC_PAUSE_AT
+
+    xs = [torch.zeros(1) for _ in range(20 * GC_PAUSE_AT)]  # ~115 young collections' worth
+    obj: Any = {"list": xs, "dict": dict(enumerate(xs)), "nested": {"batch": [xs]}}[kind]
+    ad.to([torch.zeros(1)], META)  # imports made now: they may collect
+    counted = _Collections()
+    gc.callbacks.append(counted)
+    try:
+        moved = ad.to(obj, META)
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(counted)
+    assert counted.runs == 0
+    leaves = (
+        list(moved.values()) if kind == "dict" else moved["batch"][0] if kind == "nested" else moved
+    )
+    assert len(leaves) == len(xs) and leaves[0].device.type == "meta"
+
+
+def test_the_collector_is_given_back_after_a_failed_walk_and_left_off_if_it_was() -> None:
+    import gc
+
+    from anydevice.placement import GC_PAUSE_AT
+
+    class Refuses:
+        def to(self, device: torch.device) -> None:
+            raise RuntimeError("no")
+
+    items: list[Any] = [torch.zeros(1) for _ in range(GC_PAUSE_AT)] + [Refuses()]
+    with pytest.raises(ad.MoveError):
+        ad.to(items, "meta")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ad.to(items[:-1], "meta")
+        assert not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()

@@ -15,9 +15,10 @@ import collections
 import copy
 import dataclasses
 import functools
+import gc
 import inspect
 import types
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -43,6 +44,13 @@ ATOMIC: frozenset[type] = frozenset(
 #: Containers nested deeper than this are refused with a MoveError: well inside Python's
 #: default recursion limit (1000 frames, about three per level), and far deeper than a batch.
 MAX_DEPTH = 200
+
+#: A container at least this long pauses Python's cyclic garbage collector until the walk
+#: ends. The walk allocates only what it returns (moved tensors, new containers), so a
+#: collection during it frees nothing it made; yet with 10**6 leaves CPython's collector
+#: would run ~1,400 young and several full collections over them, ~40% of a plain loop's
+#: time (``benchmarks/bench_to.py``, ``to-1e6-tensors``).
+GC_PAUSE_AT = 4096
 # Targets a copy can be asynchronous to: the host returns before the copy ends.
 _ASYNC_TARGETS = frozenset({"cuda", "xpu"})
 _NO_INDEX = frozenset({"cpu", "meta"})
@@ -210,6 +218,9 @@ def to(
         if hasattr(e, "add_note"):  # Python 3.11+: keep the type, say where
             e.add_note(f"(anydevice.to: while moving {_path_of(e)[0]} to {dev})")
         raise
+    finally:
+        if mover.gc_paused:
+            gc.enable()
 
 
 def _auto_non_blocking(src: torch.device, t: Tensor, target_type: str) -> bool:
@@ -277,19 +288,35 @@ def _move_error(e: _Failure, dev: torch.device) -> MoveError:
 class _Mover:
     """One :func:`to` call: the resolved device, options, and the state of the walk."""
 
-    __slots__ = ("active", "dev", "keep", "memo", "nb", "nb_from", "skip", "target_type")
+    __slots__ = (
+        "active",
+        "dev",
+        "gc_paused",
+        "keep",
+        "leaf_nb",
+        "memo",
+        "nb",
+        "nb_from",
+        "skip",
+        "target_type",
+    )
 
     def __init__(self, dev: torch.device, nb: NonBlocking, skip: frozenset[Any]) -> None:
         self.dev = dev
         self.target_type = dev.type
         self.nb = nb
+        # Tensor.to's non_blocking for every leaf; None: "auto", answered per source type
+        self.leaf_nb: bool | None = (
+            nb if nb != "auto" else (None if self.target_type in _ASYNC_TARGETS else False)
+        )
         self.skip = skip
         self.active: set[int] = set()  # ids of the containers on the current path
         self.memo: dict[int, Tensor] = {}  # moved tensors, by the id of their source
         # The sources in memo, alive until the walk ends so that no id is reused; a list,
         # not (source, moved) tuples: a million tuples make the cyclic GC run again and again.
-        self.keep: list[Tensor] | None = None  # made at the first move: most calls move nothing
+        self.keep: list[Tensor] = []
         self.nb_from: dict[str, bool] | None = None  # "auto"'s answer per source device type
+        self.gc_paused = False  # this walk disabled the cyclic GC (see GC_PAUSE_AT)
 
     # The walk: exact types first, since they are almost all a batch is made of.
     def move(self, obj: Any) -> Any:
@@ -317,20 +344,17 @@ class _Mover:
         hit = self.memo.get(key)
         if hit is not None:
             return hit
-        nb = self.nb
-        if nb == "auto":
+        nb = self.leaf_nb
+        if nb is None:  # "auto" to a device that copies asynchronously: by source type
             known = self.nb_from
             if known is None:
                 known = self.nb_from = {}
-            found = known.get(src.type)
-            if found is None:
-                found = known[src.type] = _auto_non_blocking(src, x, self.target_type)
-            nb = found
+            nb = known.get(src.type)
+            if nb is None:
+                nb = known[src.type] = _auto_non_blocking(src, x, self.target_type)
         # non_blocking=False is Tensor.to's default; passing it costs a keyword parse per leaf
         moved = x.to(self.dev, non_blocking=True) if nb else x.to(self.dev)
         self.memo[key] = moved
-        if self.keep is None:
-            self.keep = []
         self.keep.append(x)
         return moved
 
@@ -343,8 +367,16 @@ class _Mover:
             raise _Failure("too deep", target=_TOO_DEEP)
         active.add(key)
 
+    def pause_gc(self) -> None:
+        """Pause the cyclic GC for the rest of a long walk; :func:`to` resumes it."""
+        if not self.gc_paused and gc.isenabled():
+            gc.disable()
+            self.gc_paused = True
+
     def dict(self, obj: dict[Any, Any]) -> dict[Any, Any]:
         self.enter(obj)
+        if len(obj) >= GC_PAUSE_AT:
+            self.pause_gc()
         out = {}
         dev, skip, tensor, move = self.dev, self.skip, self.tensor, self.move
         k: Any = None
@@ -363,8 +395,10 @@ class _Mover:
         self.active.discard(id(obj))
         return out
 
-    def list(self, obj: Iterable[Any]) -> list[Any]:
+    def list(self, obj: Collection[Any]) -> list[Any]:
         self.enter(obj)
+        if len(obj) >= GC_PAUSE_AT:
+            self.pause_gc()
         dev, tensor, move = self.dev, self.tensor, self.move
         out: list[Any] = []
         append = out.append
