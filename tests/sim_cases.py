@@ -318,6 +318,45 @@ def test_side_stream_waits_on_entry_and_on_exit(slow_link: None) -> None:
     assert (b.cpu() == 4.0).all(), "entry wait: the side stream waited for a"
 
 
+def test_two_threads_in_the_one_side_stream_each_get_their_own_stream_back() -> None:
+    # The side stream is cached for the process, so two threads can be inside it at once.
+    # torch.Stream's own `with` keeps the stream to restore on the stream object: the
+    # second thread's entry overwrote the first's, which then got the second's stream back.
+    import threading
+
+    import anydevice as ad
+    from anydevice.backends import runtime
+
+    backend = runtime(dev().type)
+    inside, first_out = threading.Barrier(2), threading.Event()
+    after: dict[str, object] = {}
+    before: dict[str, object] = {}
+
+    def first() -> None:
+        before["first"] = torch.accelerator.current_stream(dev())
+        with ad.side_stream(dev()):
+            inside.wait(timeout=30)
+        after["first"] = torch.accelerator.current_stream(dev())
+        first_out.set()
+
+    def second() -> None:
+        other = backend.new_stream(dev())
+        with backend.use_stream(other):
+            before["second"] = torch.accelerator.current_stream(dev())
+            with ad.side_stream(dev()):
+                inside.wait(timeout=30)
+                first_out.wait(timeout=30)
+            after["second"] = torch.accelerator.current_stream(dev())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert before["first"] != before["second"]
+    assert after == before
+
+
 def test_to_non_blocking(slow_link: None) -> None:
     import anydevice as ad
 

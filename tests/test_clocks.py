@@ -12,6 +12,7 @@ import torch
 
 import anydevice as ad
 from anydevice import clocks
+from anydevice.backends.cpu import _cache_size
 
 
 def test_synchronize_the_cpu_or_meta_waits_for_nothing():
@@ -42,15 +43,15 @@ def test_resolve_device_checks_the_spec_against_this_machine():
 
 def test_cache_size_reads_sysfs_units(tmp_path):
     (tmp_path / "size").write_text("32768K\n")
-    assert clocks._cache_size(tmp_path) == 32 * 2**20
+    assert _cache_size(tmp_path) == 32 * 2**20
     (tmp_path / "size").write_text("2M\n")
-    assert clocks._cache_size(tmp_path) == 2 * 2**20
-    assert clocks._cache_size(tmp_path / "missing") == 0
+    assert _cache_size(tmp_path) == 2 * 2**20
+    assert _cache_size(tmp_path / "missing") == 0
 
 
 def test_cpu_flush_is_twice_the_largest_cache():
     root = "/sys/devices/system/cpu/cpu0/cache"
-    sizes = [clocks._cache_size(p) for p in Path(root).glob("index*")]
+    sizes = [_cache_size(p) for p in Path(root).glob("index*")]
     expected = 2 * max(sizes) if sizes and max(sizes) else clocks.FALLBACK_FLUSH_BYTES
     assert clocks.flush_bytes(torch.device("cpu")) == expected
 

@@ -160,7 +160,8 @@ def test_side_stream_reads_what_the_current_stream_wrote():
         a.fill_(1.0)
         with ad.side_stream("cuda") as s:
             assert s is not None
-            assert torch.cuda.current_stream() == s
+            assert torch.accelerator.current_stream() == s  # a torch.Stream, as on XPU
+            assert torch.cuda.current_stream().stream_id == s.stream_id
             total = a.sum()
         assert total.item() == float(1 << 20)
 
@@ -181,7 +182,7 @@ def test_the_same_stream_is_reused():
     with ad.side_stream(torch.device("cuda", 0)) as s2:
         pass
     assert s1 == s2
-    assert s1 != torch.cuda.current_stream()
+    assert s1 != torch.accelerator.current_stream()
 
 
 @pytest.mark.cuda

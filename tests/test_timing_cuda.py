@@ -75,7 +75,7 @@ def test_flush_l2_makes_a_read_of_cached_data_cold_and_stays_out_of_the_window()
         pytest.skip("this GPU reports no L2 size")
     x = torch.ones(l2 // 2 // 4, device=dev)
     big = torch.empty(l2, dtype=torch.int32, device=dev)  # 4x the L2 in bytes
-    clock = clocks._CudaEventClock(dev)
+    clock = clocks._EventClock(dev)
     flush = clocks.flusher(dev)
     flush_time = statistics.median(clock.run(flush, 1, 20, None))
     idle = sleep_for(flush_time)  # keeps the GPU as busy as a flush, touches no memory

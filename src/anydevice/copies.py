@@ -2,23 +2,29 @@
 
 The loader's ordering (see :mod:`anydevice.loader`) needs five things of a device: a copy
 stream, the streams the consumer frees memory on (its *homes*), the stream current now,
-events to record after each copy, and pinned host memory. CUDA has them as
-``torch.cuda.Stream``/``Event``; XPU and any other accelerator torch knows with streams
-have them as ``torch.Stream``/``torch.Event`` and ``torch.accelerator``. :func:`copier_for`
-gives either behind one :class:`Copier`, or None where a move is a plain synchronous
-``to`` (the CPU, MPS, XLA, a backend without streams).
+events to record after each copy, and pinned host memory. Every device with streams
+(CUDA, XPU, privateuse1 backends) has them as ``torch.Stream``/``torch.Event`` and
+``torch.accelerator``, through its backend (:class:`anydevice.backends.Backend`);
+:func:`copier_for` builds one :class:`Copier` from them, the same code for each, or gives
+None where a move is a plain synchronous ``to`` (the CPU, MPS, XLA, a backend without
+streams). What differs is a backend's flags, not a code path: CUDA reuses its events,
+marks batches with ``record_stream`` and treats a failure to pin as an error.
 
 What a backend lacks is left out, not faked: events that cannot time (no
 ``elapsedTime``) still order the copies, with ``copy_seconds`` None; a backend that cannot
 pin host memory gets pageable copies, and the stats say the batches were not pinned.
 
-A batch read on a stream other than the home: CUDA marks its tensors with
-``record_stream`` (the allocator then holds their blocks until that stream is past the
-free). Through ``torch.Stream`` the consumer's stream becomes one more home instead: every
-later copy waits for it before allocating, so a block freed after reads queued there is
-reused only after them. That needs no ``record_stream``, which backends do not all have
-(torch's OpenReg test backend has none), and costs no overlap: the copy of batch k+1 then
-waits for the compute of batch k-1, as it waits on the default stream on CUDA.
+A batch read on a stream other than the home: where the backend has ``record_stream``
+(CUDA), the batch's tensors are marked with it (the allocator then holds their blocks
+until that stream is past the free). Elsewhere the consumer's stream becomes one more home
+instead: every later copy waits for it before allocating, so a block freed after reads
+queued there is reused only after them. That needs no ``record_stream``, which backends do
+not all have (torch's OpenReg test backend has none), and costs no overlap: the copy of
+batch k+1 then waits for the compute of batch k-1, as it waits on the home stream.
+
+The home is the stream current when the pass starts (the consumer's; the default stream
+unless the loop runs inside another stream): torch's accelerator API has no default
+stream, and a pass started inside a stream is read there.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from typing import Any
 
 import torch
 
-from anydevice.streams import copy_stream, generic_stream_device
+from anydevice.backends import runtime
+from anydevice.streams import copy_stream, stream_device
 from anydevice.transfer import CopyTimes, Slot, keep_for
 
 __all__ = ["Copier", "copier_for"]
@@ -139,54 +146,36 @@ class Copier:
 
 def copier_for(device: torch.device) -> Copier | None:
     """The :class:`Copier` for ``device``, or None where moves are synchronous."""
-    if device.type == "cuda":
-        return _cuda(device) if torch.cuda.is_available() else None
-    generic = generic_stream_device(device)
-    if generic is None:
+    dev = stream_device(device)
+    if dev is None:
         return None
     try:
-        return _generic(generic)
+        return _copier(dev)
     except _UNSUPPORTED as e:  # the backend names streams but cannot make them
-        logger.info("no copy stream on %s (%s): batches are moved synchronously", generic, e)
+        logger.info("no copy stream on %s (%s): batches are moved synchronously", dev, e)
         return None
 
 
-def _cuda(device: torch.device) -> Copier:
-    if device.index is None:  # compared with tensors' devices by the loader
-        device = torch.device("cuda", torch.cuda.current_device())
-    return Copier(
-        device,
-        stream=copy_stream(device),
-        home=torch.cuda.default_stream(device),
-        current=lambda: torch.cuda.current_stream(device),
-        enter=torch.cuda.stream,
-        times=CopyTimes(lambda: torch.cuda.Event(enable_timing=True)),
-        event=lambda: torch.cuda.Event(),
-        set_device=lambda: torch.cuda.set_device(device),  # else pinning makes a context on 0
-        record=True,
-        pins_surely=True,
-    )
+def _copier(device: torch.device) -> Copier:
+    """Through the backend's streams and events (``torch.Stream``/``torch.Event``)."""
+    from anydevice.clocks import times_events
 
-
-def _generic(device: torch.device) -> Copier:
-    """Through ``torch.Stream``/``torch.Event``: torch's accelerator API has no default
-    stream, so the home is the stream current when the pass starts (the consumer's)."""
-    from anydevice.clocks import _event_stream
-
-    index = device.index
+    backend = runtime(device.type)
     stream = copy_stream(device)
-    timed = _event_stream(device) is not None
     return Copier(
         device,
         stream=stream,
-        home=torch.accelerator.current_stream(index),
-        current=lambda: torch.accelerator.current_stream(index),
-        enter=lambda s: s,  # a torch.Stream is a context manager making itself current
-        # New events for every copy: a backend may read an event when the waiting stream
-        # gets to the wait, not when it was issued; re-recording one could then deadlock.
-        times=CopyTimes(lambda: torch.Event(device, enable_timing=True), reuse=False)
-        if timed
+        home=backend.current_stream(device),
+        current=lambda: backend.current_stream(device),
+        enter=backend.use_stream,
+        # Without reuse, new events for every copy: a backend may read an event when the
+        # waiting stream gets to the wait, not when it was issued; re-recording one could
+        # then deadlock.
+        times=CopyTimes(lambda: backend.new_event(device, timing=True), reuse=backend.reuses_events)
+        if times_events(device)
         else None,
-        event=lambda: torch.Event(device),
-        set_device=lambda: torch.accelerator.set_device_index(index),
+        event=lambda: backend.new_event(device),
+        set_device=lambda: backend.set_device(device),  # else pinning makes a context on 0
+        record=backend.records_streams,
+        pins_surely=backend.pins_surely,
     )

@@ -69,7 +69,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from anydevice.clocks import xla_step
+from anydevice.backends import runtime
 from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
 from anydevice.resume import sampler_generator, skip_at_sampler
@@ -607,7 +607,8 @@ class _Pass:
         self.copier = copier_for(self.device)
         if self.copier is not None:
             self.device = self.copier.device  # with its index: compared with tensors' below
-        self.xla = self.device.type == "xla"
+        self.backend = runtime(self.device.type)
+        self.lazy = self.backend.lazy  # XLA: each step ends with a graph cut
         self.counters = _Counters(None if self.copier is None else self.copier.times)
         self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
         self.done = False
@@ -736,8 +737,8 @@ class _Pass:
         self.ready = None
         if slot is not None:
             self._hand_out(batch, slot)  # before batch k+1 is issued: see the module docstring
-        elif self.xla and self.counters.batches:
-            xla_step()  # the step on the previous batch ends here, as MpDeviceLoader ends it
+        elif self.lazy and self.counters.batches:
+            self.backend.end_step()  # the previous batch's step ends here, as MpDeviceLoader's
         try:
             # Batch k+1 starts moving while batch k computes. A source without a length may
             # make it only after the consumer used batch k (a feedback loop): then this

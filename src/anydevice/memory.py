@@ -38,10 +38,10 @@ from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
 from anydevice.memory_history import History
 from anydevice.memory_readings import (
+    counts_peaks,
     device_free_total,
     empty_cache,
     initialized,
-    is_generic,
     peak_rss,
     read,
     reset_peak,
@@ -214,10 +214,10 @@ def memory(device: DeviceLike | None = "auto") -> MemoryStats:
     else:
         free, total, more = device_free_total(dev)
         notes += more
-        if dev.type in ("cuda", "xpu") and not initialized(dev):
+        if not initialized(dev):
             notes.append(f"this process has not used {dev.type} yet: its counters are zero")
-        if dev.type == "mps":
-            notes.append("MPS keeps no peak counter; track_memory() samples it")
+        if not counts_peaks(dev):
+            notes.append(f"{dev.type} keeps no peak counter; track_memory() samples it")
     return MemoryStats(
         device=str(dev),
         allocated=c.allocated,
@@ -355,7 +355,7 @@ def track_memory(
         raise ValueError(f"interval must be > 0 seconds, not {interval}")
     dev = _resolve_memory_device(device)
     history = None if snapshot is None else History(dev, snapshot)  # refuses before anything
-    counted = dev.type in ("cuda", "xpu") or is_generic(dev)
+    counted = counts_peaks(dev)
     if counted:
         before = read(dev)
         usage = MemoryUsage(dev, before.allocated, "read from the allocator's peak counter")

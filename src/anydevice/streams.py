@@ -22,9 +22,15 @@ the current stream *and every stream it was entered from before*, so it waits fo
 uses too, whichever stream they were on. No ``record_stream`` is needed (and none is made;
 its delayed, polled frees have grown memory in other libraries).
 
-Streams are created once per device and reused: ``torch.cuda.Stream()`` hands out one of
-32 pooled streams round-robin, and each stream keeps its own allocator pool, so a new
-stream per call (or per epoch) strands cached memory. The cache is process-wide, per
+One implementation for every device with streams (CUDA, XPU, privateuse1 backends):
+streams, the current stream and its switching come from the device's backend, which
+does them through ``torch.Stream`` and ``torch.accelerator`` (see
+:class:`anydevice.backends.Backend`). The CPU, MPS and XLA have no side streams: there
+``side_stream()`` is a no-op.
+
+Streams are created once per device and reused: CUDA hands out one of 32 pooled streams
+round-robin, and each stream keeps its own allocator pool, so a new stream per call (or
+per epoch) strands cached memory. The cache is process-wide, per
 device and role (``side_stream()``'s, and the copy stream every ``DeviceLoader`` on a
 device shares), filled lazily, and emptied in a child made by ``fork``: the parent's
 streams are not the child's, and a lock held by another thread at the fork is replaced.
@@ -34,15 +40,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
 
+from anydevice.backends import runtime
 from anydevice.selection import DeviceLike
 
-__all__ = ["copy_stream", "generic_stream_device", "side_stream", "stream_for"]
+__all__ = ["copy_stream", "side_stream", "stream_device", "stream_for"]
 
 #: What a cached stream is for: ``side_stream()``'s, or the loaders' copies.
 Role = Literal["side", "copy"]
@@ -51,23 +58,24 @@ Role = Literal["side", "copy"]
 class StreamCache:
     """Objects made once per key and reused by this process, forgotten in a forked child.
 
-    ``make(index, priority)`` creates the stream for a key the first time it is asked for.
-    Tested with plain objects on the CPU: the logic needs no GPU.
+    ``make(where, priority)`` creates the stream for a key the first time it is asked for
+    (``where``: the device, with its index). Tested with plain objects on the CPU: the
+    logic needs no device.
     """
 
-    def __init__(self, make: Callable[[int, int], Any]) -> None:
+    def __init__(self, make: Callable[[Any, int], Any]) -> None:
         self._make = make
-        self._items: dict[tuple[int, int, Role], Any] = {}
+        self._items: dict[tuple[Hashable, int, Role], Any] = {}
         self._lock = threading.Lock()
         self._watching_fork = False
 
-    def get(self, index: int, priority: int = 0, role: Role = "side") -> Any:
-        """The object for ``(index, priority, role)``, made on first use."""
-        key = (index, priority, role)
+    def get(self, where: Hashable, priority: int = 0, role: Role = "side") -> Any:
+        """The object for ``(where, priority, role)``, made on first use."""
+        key = (where, priority, role)
         with self._lock:
             item = self._items.get(key)
             if item is None:
-                item = self._make(index, priority)
+                item = self._make(where, priority)
                 self._items[key] = item
                 if not self._watching_fork:
                     # Registered on first use, not at import; the handler runs in the child
@@ -102,117 +110,71 @@ class _Side:
             self.stream.wait_stream(home)
 
 
-def _new_stream(index: int, priority: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index, priority=priority)
+def _new_stream(device: torch.device, priority: int) -> torch.Stream:
+    return runtime(device.type).new_stream(device, priority)
 
 
-def _new_side(index: int, priority: int) -> _Side:
-    return _Side(_new_stream(index, priority))
+def _new_side(device: torch.device, priority: int) -> _Side:
+    return _Side(_new_stream(device, priority))
 
 
-# One stream per (device index, priority, role), for the whole process: streams are a
-# process resource that torch itself pools, and reusing ours keeps one allocator pool
-# and one ordering per role.
+# One stream per (device, priority, role), for the whole process: streams are a process
+# resource that torch itself pools, and reusing ours keeps one allocator pool and one
+# ordering per role.
 _STREAMS = StreamCache(_new_stream)
 _SIDES = StreamCache(_new_side)
 
 
-def _new_generic_stream(index: int, priority: int) -> torch.Stream:
-    kind = _stream_kind()
-    assert kind is not None  # only made for a device generic_stream_device gave
-    return torch.Stream(torch.device(kind, index), priority=priority)
+def stream_device(device: DeviceLike | None) -> torch.device | None:
+    """The device ``device`` means, with its index, when its work runs on streams here;
+    None where it has none (the CPU, MPS, XLA, meta, a kind that is not torch's current
+    accelerator). ``None`` means torch's current accelerator.
 
-
-def _new_generic_side(index: int, priority: int) -> _Side:
-    return _Side(_new_generic_stream(index, priority))
-
-
-# XPU and other accelerators with streams: only torch's current accelerator type has them
-# through torch.Stream and torch.accelerator, so the device index is the whole key.
-_GENERIC_SIDES = StreamCache(_new_generic_side)
-_GENERIC_STREAMS = StreamCache(_new_generic_stream)
-
-
-def _stream_kind() -> str | None:
-    """torch's current accelerator type when it has side streams here (XPU, or another
-    accelerator torch knows beyond the named kinds); None on CUDA builds (CUDA has its own
-    path), MPS (one queue), XLA (no eager streams) and the CPU."""
-    from anydevice.backends.generic import _current_type
-
-    kind = _current_type(torch)
-    if kind is None or kind in ("cuda", "mps", "xla", "cpu"):
-        return None
-    return kind
-
-
-def generic_stream_device(device: DeviceLike | None) -> torch.device | None:
-    """The stream-capable non-CUDA device ``device`` means, with its index; None when it
-    has no streams here (the CPU, MPS, XLA, CUDA, or a kind that is not torch's current
-    accelerator)."""
-    kind = _stream_kind()
-    if kind is None or not torch.accelerator.is_available():
-        return None
+    >>> stream_device("cpu") is None
+    True
+    """
     if device is None:
-        return torch.device(kind, torch.accelerator.current_device_index())
-    from anydevice.selection import device as resolve
-
-    dev = device if isinstance(device, torch.device) else resolve(device)
-    if dev.type != kind:
-        return None
-    index = torch.accelerator.current_device_index() if dev.index is None else dev.index
-    return torch.device(kind, index)
-
-
-def _cuda_device(device: DeviceLike | None) -> torch.device | None:
-    """The CUDA device ``device`` means, or None when it is not a CUDA device."""
-    if device is None:
-        if not torch.cuda.is_available():
+        dev = torch.accelerator.current_accelerator(check_available=True)
+        if dev is None:
             return None
-        return torch.device("cuda", torch.cuda.current_device())
-    from anydevice.selection import device as resolve
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        from anydevice.selection import device as resolve
 
-    dev = device if isinstance(device, torch.device) else resolve(device)
-    if dev.type != "cuda":
-        return None
-    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+        dev = resolve(device)
+    return runtime(dev.type).stream_device(dev)
 
 
-def stream_for(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
-    """The side stream :func:`side_stream` uses on a CUDA ``device`` (created once, then reused)."""
-    return _SIDES.get(_index(device), priority, "side").stream  # type: ignore[no-any-return]
+def stream_for(device: torch.device, priority: int = 0) -> torch.Stream:
+    """The side stream :func:`side_stream` uses on ``device`` (created once, then reused);
+    ``device`` as :func:`stream_device` gives it."""
+    return _SIDES.get(device, priority, "side").stream  # type: ignore[no-any-return]
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream | torch.Stream:
+def copy_stream(device: torch.device) -> torch.Stream:
     """The stream every :class:`~anydevice.DeviceLoader` on ``device`` copies on.
 
     One per device for the whole process, apart from :func:`side_stream`'s, so that copies
     never queue behind work a user put on a side stream, and a loader built per epoch
-    reuses the blocks the previous one freed (one allocator pool, not one per epoch). A
-    ``torch.cuda.Stream`` on CUDA; a ``torch.Stream`` on XPU and any other accelerator
-    with streams (``device`` as :func:`generic_stream_device` gives it).
+    reuses the blocks the previous one freed (one allocator pool, not one per epoch).
+    ``device`` as :func:`stream_device` gives it (with its index).
     """
-    if device.type == "cuda":
-        return _STREAMS.get(_index(device), 0, "copy")  # type: ignore[no-any-return]
-    assert device.index is not None  # generic_stream_device() always gives the index
-    return _GENERIC_STREAMS.get(device.index, 0, "copy")  # type: ignore[no-any-return]
+    return _STREAMS.get(device, 0, "copy")  # type: ignore[no-any-return]
 
 
 @contextmanager
 def side_stream(
     device: DeviceLike | None = None, *, priority: int = 0
-) -> Iterator[torch.cuda.Stream | torch.Stream | None]:
+) -> Iterator[torch.Stream | None]:
     """Run a block on a side stream, ordered with the current stream both ways.
 
     On entry the side stream waits for the work already queued on the current stream (so
     it reads what was written before) and on the streams earlier blocks were entered from
     (so memory freed there is not reused under their reads); on exit the current stream
-    waits for the side stream (so tensors made inside are safe to use outside). On XPU and
-    any other accelerator with streams, the same through ``torch.Stream`` and
-    ``torch.accelerator``; on the CPU, MPS and XLA a no-op context that yields None.
+    waits for the side stream (so tensors made inside are safe to use outside). The same
+    code for CUDA, XPU and every other accelerator with streams (``torch.Stream`` and
+    ``torch.accelerator``); on the CPU, MPS and XLA a no-op context that yields None.
 
     >>> import torch, anydevice as ad
     >>> with ad.side_stream("cpu") as s:
@@ -221,44 +183,24 @@ def side_stream(
     (True, 6.0)
 
     Args:
-        device: the device (any spec); default: the current CUDA device, else torch's
-            current accelerator when it has streams, else a no-op.
+        device: the device (any spec); default: torch's current accelerator when it has
+            streams, else a no-op.
         priority: stream priority (lower is more urgent, as in ``torch.cuda.Stream``).
 
     Yields:
-        The side ``torch.cuda.Stream``; on XPU and other accelerators with streams, a
-        ``torch.Stream``; None on the CPU, MPS and XLA.
+        The side stream, a ``torch.Stream``; None on the CPU, MPS and XLA.
     """
-    dev = _cuda_device(device)
+    dev = stream_device(device)
     if dev is None:
-        generic = generic_stream_device(device)
-        if generic is None:
-            yield None
-            return
-        with _generic_side_stream(generic, priority) as s:
-            yield s
+        yield None
         return
-    side = _SIDES.get(_index(dev), priority, "side")
+    backend = runtime(dev.type)
+    side = _SIDES.get(dev, priority, "side")
     stream = side.stream
-    current = torch.cuda.current_stream(dev)
+    current = backend.current_stream(dev)
     side.enter_from(current)
     try:
-        with torch.cuda.stream(stream):
-            yield stream
-    finally:
-        current.wait_stream(stream)
-
-
-@contextmanager
-def _generic_side_stream(dev: torch.device, priority: int) -> Iterator[torch.Stream]:
-    """:func:`side_stream` through ``torch.Stream`` and ``torch.accelerator``."""
-    index = dev.index if dev.index is not None else torch.accelerator.current_device_index()
-    side = _GENERIC_SIDES.get(index, priority, "side")
-    stream = side.stream
-    current = torch.accelerator.current_stream(index)
-    side.enter_from(current)
-    try:
-        with stream:
+        with backend.use_stream(stream):
             yield stream
     finally:
         current.wait_stream(stream)

@@ -476,7 +476,7 @@ class Throughput:
         else:
             full = len(self._marks) == self._marks.maxlen
             # The event leaving the window is waited on by no one: record it again.
-            mark = self._marks.popleft()[0] if full else self._events(enable_timing=True)
+            mark = self._marks.popleft()[0] if full else self._events()
             mark.record()
         self._marks.append(
             (
@@ -609,15 +609,11 @@ def _pick(value: float | None, default: float | None) -> float:
 
 
 def _event_class(device: torch.device) -> Any:
-    """The timing-event class of the device's stream, None where the host clock is right."""
-    if device.type == "cuda":
-        return torch.cuda.Event
-    if device.type == "xpu":
-        return torch.xpu.Event
-    if device.type == "mps":
-        return torch.mps.event.Event
-    from anydevice.clocks import _event_stream
+    """What makes a timing event on the device's current stream, None where the host clock
+    is right (the device's events do not time work)."""
+    from anydevice.backends import runtime
+    from anydevice.clocks import times_events
 
-    if _event_stream(device) is not None:  # another accelerator whose events time work
-        return torch.Event
-    return None
+    if not times_events(device):
+        return None
+    return functools.partial(runtime(device.type).new_event, device, timing=True)

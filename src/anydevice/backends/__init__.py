@@ -11,7 +11,7 @@ from functools import cache
 
 from anydevice.backends.base import Backend, Probe
 
-__all__ = ["KINDS", "Backend", "Probe", "get"]
+__all__ = ["KINDS", "Backend", "Probe", "get", "runtime"]
 
 #: kind -> "module:class", in the order ``"auto"`` prefers accelerators, CPU last.
 _REGISTRY: dict[str, str] = {
@@ -49,3 +49,12 @@ def _get(kind: str) -> Backend:
     cls = getattr(importlib.import_module(module_name), class_name)
     backend: Backend = cls()
     return backend
+
+
+def runtime(kind: str) -> Backend:
+    """The backend that runs work on devices of ``kind``: :func:`get`'s, and for a device
+    type no backend claims (``meta``, ``lazy``) the CPU's, which has no streams."""
+    try:
+        return get(kind)
+    except KeyError:
+        return get("cpu")

@@ -9,18 +9,23 @@ limits can be changed while it runs, ``docker update``), the CPUs this process m
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice import torchbuild
-from anydevice.backends.base import Backend, Probe
+from anydevice.backends.base import Backend, Counters, Probe
 from anydevice.inventory import DeviceInfo
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CpuBackend", "cgroup_cpu_quota", "cgroup_memory_limit", "torch_build"]
 
@@ -30,6 +35,39 @@ _CGROUP = Path("/sys/fs/cgroup")
 class CpuBackend(Backend):
     kind = "cpu"
     label = "CPU"
+
+    counts_peaks = False  # the process's high-water mark cannot be restarted: sampled
+
+    def in_use(self) -> list[torch.device]:
+        return []  # the host runs each op before it returns: nothing is queued
+
+    def memory(self, device: torch.device) -> Counters:
+        """The process's resident set, and its lifetime high-water mark."""
+        now = rss()
+        # The kernel's per-thread RSS counters are synced lazily, so the high-water mark
+        # can trail the current reading by a few pages.
+        return Counters(allocated=now, peak=max(now, peak_rss() or 0))
+
+    def reset_peak(self, device: torch.device) -> None:
+        return None
+
+    def empty_cache(self, device: torch.device) -> None:
+        """Give freed heap pages back to the system (glibc's ``malloc_trim``)."""
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+
+    def free_total(self, device: torch.device) -> tuple[int | None, int | None, list[str]]:
+        cpu = self.probe(telemetry=False).devices[0]
+        return int(cpu.memory_free or 0), int(cpu.memory_total or 0), []
+
+    def synchronize(self, device: torch.device) -> None:
+        return None
+
+    def cache_bytes(self, device: torch.device) -> int:
+        """The largest cache in ``/sys/devices/system/cpu/cpu0/cache``; 0 where unread."""
+        caches = Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")
+        return max((_cache_size(p) for p in caches), default=0)
 
     def probe(self, *, telemetry: bool = True) -> Probe:
         import torch
@@ -278,3 +316,59 @@ def _cpu_temperature(psutil: Any) -> float | None:
         if sensors.get(chip):
             return float(sensors[chip][0].current)
     return None
+
+
+def _cache_size(index_dir: Path) -> int:
+    try:
+        text = (index_dir / "size").read_text().strip().upper()
+    except OSError:
+        return 0
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    digits = text.rstrip("KMG")
+    return int(digits) * scale if digits.isdigit() else 0
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # musl and others: nothing to trim with
+        return None
+    trim = getattr(libc, "malloc_trim", None)
+    return None if trim is None else lambda pad: int(trim(ctypes.c_size_t(pad)))
+
+
+def rss() -> int:
+    """This process's resident bytes (``/proc/self/statm`` on Linux, psutil elsewhere)."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_rss() -> int | None:
+    """The process's lifetime high-water mark of resident memory, kept by the kernel.
+
+    On Linux it is ``VmHWM`` of ``/proc/self/status``: the mark of this process's own
+    address space. ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a process started
+    from a large parent (a test runner, a notebook) would read the parent's size there.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        import psutil
+
+        return getattr(psutil.Process().memory_info(), "peak_wset", None)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # bytes / KiB

@@ -28,13 +28,16 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from anydevice import torchbuild
 from anydevice.backends import nvml
 from anydevice.backends.base import Backend, Probe
 from anydevice.backends.nvml import GpuRecord, NvmlUnavailable
 from anydevice.inventory import DeviceInfo, HostInfo
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CudaBackend",
@@ -366,6 +369,61 @@ class CudaBackend(Backend):
     kind = "cuda"
     label = "CUDA"
     is_gpu = True
+    has_streams = True
+    records_streams = True
+    reuses_events = True
+    pins_surely = True
+    times_events = True
+
+    def in_use(self) -> list[torch.device]:
+        """Each GPU this process has a context on, torch's current device first, read from
+        the driver without creating one (work is queued only through a context)."""
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return []
+        current = torch.cuda.current_device()
+        others = [i for i in range(torch.cuda.device_count()) if i != current]
+        return [torch.device("cuda", i) for i in (current, *others) if has_primary_context(i)]
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for ``device`` only where this process has a context on it: else nothing
+        was queued there, and waiting would create one (~500 MB) on that GPU."""
+        import torch
+
+        if not torch.cuda.is_initialized():
+            return
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if has_primary_context(index):
+            torch.accelerator.synchronize(index)
+
+    def free_total(self, device: torch.device) -> tuple[int | None, int | None, list[str]]:
+        """From NVML; without it, from CUDA where this process has a context there (asking
+        elsewhere would create one)."""
+        free, total, notes = super().free_total(device)
+        if free is not None:
+            return free, total, notes
+        import torch
+
+        index = device.index if device.index is not None else 0
+        if has_primary_context(index):
+            free, total = (int(v) for v in torch.cuda.mem_get_info(index))
+            return free, total, ["free and total read from CUDA (NVML unavailable)"]
+        return (
+            None,
+            total,
+            [
+                "free memory unknown: NVML is unavailable, and asking CUDA would create a "
+                f"context (~500 MB) on cuda:{index}; it is read once this process uses the "
+                "device"
+            ],
+        )
+
+    def cache_bytes(self, device: torch.device) -> int:
+        """The L2 size from the device properties (as torch inductor's benchmarker reads it)."""
+        import torch
+
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
 
     def __init__(
         self, environ: Mapping[str, str] | None = None, nvml_reader: nvml.NvmlReader | None = None

@@ -10,10 +10,13 @@ vendor. The named kinds (cuda, xla, xpu, mps, cpu) keep their own backends.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from anydevice.backends.base import Backend, Probe
+from anydevice.backends.base import Backend, Probe, device_module
 from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, HostInfo
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GenericBackend", "kinds"]
 
@@ -63,6 +66,21 @@ def _current_type(torch: Any) -> str | None:
 class GenericBackend(Backend):
     kind = "accelerator"
     label = "torch accelerator"
+    has_streams = True
+
+    def in_use(self) -> list[torch.device]:
+        """The current device of each accelerator torch knows beyond the named kinds, once
+        initialised (a module without ``is_initialized`` is not looked at)."""
+        import torch
+
+        found = []
+        for kind in kinds():
+            mod = module(kind)
+            initialized = getattr(mod, "is_initialized", None)
+            current = getattr(mod, "current_device", None)
+            if initialized is not None and current is not None and initialized():
+                found.append(torch.device(kind, int(current())))
+        return found
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Only torch knows these devices: without it, nothing (the inventory says which
@@ -95,12 +113,7 @@ class GenericBackend(Backend):
 
 def module(kind: str) -> Any | None:
     """``torch.<kind>``, the device module a backend registered, or None."""
-    import torch
-
-    try:
-        return torch.get_device_module(kind)
-    except (RuntimeError, AttributeError):
-        return None
+    return device_module(kind)
 
 
 def _devices(kind: str, *, telemetry: bool) -> tuple[list[DeviceInfo], list[str]]:

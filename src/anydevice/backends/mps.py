@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import platform
 import sys
+from typing import TYPE_CHECKING, Any
 
-from anydevice.backends.base import Backend, Probe
+from anydevice.backends.base import Backend, Counters, Probe
 from anydevice.inventory import DeviceInfo, HostInfo
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MpsBackend"]
 
@@ -15,6 +19,33 @@ class MpsBackend(Backend):
     kind = "mps"
     label = "Apple MPS"
     is_gpu = True
+    times_events = True  # on its one queue (no side streams: timeit synchronises instead)
+
+    counts_peaks = False  # MPS keeps no peak counter: track_memory() samples it
+
+    def memory(self, device: torch.device) -> Counters:
+        import torch
+
+        return Counters(
+            allocated=int(torch.mps.current_allocated_memory()),
+            reserved=int(torch.mps.driver_allocated_memory()),
+        )
+
+    def new_event(self, device: torch.device, *, timing: bool = False) -> Any:
+        import torch
+
+        return torch.mps.event.Event(enable_timing=timing)
+
+    def in_use(self) -> list[torch.device]:
+        import torch
+
+        # MPS has no lazy initialisation to look at: the one device, where there is one
+        return [torch.device("mps")] if torch.backends.mps.is_available() else []
+
+    def synchronize(self, device: torch.device) -> None:
+        import torch
+
+        torch.accelerator.synchronize(device)
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Nothing to find off macOS; on a Mac only torch can tell (None)."""

@@ -13,6 +13,7 @@ class XpuBackend(Backend):
     kind = "xpu"
     label = "Intel XPU"
     is_gpu = True
+    has_streams = True
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Nothing to find when torch was built without XPU; otherwise only torch can tell."""

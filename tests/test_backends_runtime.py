@@ -1,0 +1,90 @@
+"""The run-time half of the backends: one implementation on torch's device-generic API.
+
+CUDA, XPU and every privateuse1 backend (the simulated accelerator of
+``tests/sim_cases.py``, torch's python test backend of ``tests/privateuse1_cases.py``,
+torch's OpenReg) run streams, events, event timing, side streams, the loader's copies and
+the allocator's counters through the same methods of :class:`anydevice.backends.Backend`.
+These tests hold that true: a CUDA-only path added beside the tested one fails here.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from anydevice import backends
+from anydevice.backends import Backend, runtime
+
+#: The run-time methods the simulator's and torch's test backends exercise.
+RUN_TIME = (
+    "stream_device",
+    "new_stream",
+    "current_stream",
+    "use_stream",
+    "new_event",
+    "set_device",
+    "memory",
+    "reset_peak",
+    "empty_cache",
+    "initialized",
+)
+
+#: What each kind with streams does its own way, and why (nothing generic answers it).
+OWN_WAY = {
+    # has this GPU a primary context (the driver), asked without creating one
+    "cuda": {"in_use", "synchronize", "free_total", "cache_bytes"},
+    "xpu": set(),
+    "accelerator": {"in_use"},  # the privateuse1 name and torch's current accelerator
+}
+
+
+def overridden(kind: str) -> set[str]:
+    cls = type(backends.get(kind))
+    return {
+        name
+        for name, member in inspect.getmembers(cls)
+        if name in Backend.__dict__
+        and not name.startswith("_")
+        and callable(member)
+        and member is not getattr(Backend, name)
+        and name not in {"probe", "probe_static", "probe_without_torch", "unavailable_reason"}
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(OWN_WAY))
+def test_kinds_with_streams_run_the_generic_code(kind: str) -> None:
+    backend = backends.get(kind)
+    assert backend.has_streams
+    assert overridden(kind) == OWN_WAY[kind]
+    for name in RUN_TIME:
+        assert getattr(type(backend), name) is getattr(Backend, name), name
+
+
+def test_cuda_differs_by_its_flags_only() -> None:
+    cuda, generic = backends.get("cuda"), backends.get("accelerator")
+    flags = ("records_streams", "reuses_events", "pins_surely", "times_events")
+    assert [getattr(cuda, f) for f in flags] == [True, True, True, True]
+    assert [getattr(generic, f) for f in flags] == [False, False, False, None]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mps", "xla"])
+def test_kinds_without_streams_have_no_side_streams(kind: str) -> None:
+    backend = backends.get(kind)
+    assert not backend.has_streams
+    assert backend.stream_device(torch.device(kind)) is None
+
+
+def test_a_device_type_no_backend_claims_runs_like_the_cpu() -> None:
+    assert runtime("meta") is backends.get("cpu")
+    from anydevice.streams import stream_device
+
+    assert stream_device(torch.device("meta")) is None
+
+
+def test_cuda_without_a_gpu_has_no_stream_device_and_stays_uninitialised() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the cuda-marked tests cover it")
+    assert backends.get("cuda").stream_device(torch.device("cuda", 0)) is None
+    assert not torch.cuda.is_initialized()
