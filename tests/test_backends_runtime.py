@@ -76,11 +76,14 @@ def test_kinds_without_streams_have_no_side_streams(kind: str) -> None:
     assert backend.stream_device(torch.device(kind)) is None
 
 
-def test_a_device_type_no_backend_claims_runs_like_the_cpu() -> None:
-    assert runtime("meta") is backends.get("cpu")
+def test_a_device_type_no_backend_claims_has_no_streams_and_is_not_the_host() -> None:
+    meta = runtime("meta")
+    assert meta is runtime("lazy") and meta is not backends.get("cpu")
+    assert not (meta.has_streams or meta.is_host or meta.counts_peaks)
     from anydevice.streams import stream_device
 
     assert stream_device(torch.device("meta")) is None
+    meta.synchronize(torch.device("meta"))  # nothing queued: returns
 
 
 def test_cuda_without_a_gpu_has_no_stream_device_and_stays_uninitialised() -> None:

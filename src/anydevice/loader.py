@@ -254,7 +254,8 @@ class DeviceLoader(Generic[T]):
         self.transform = transform
         if prefetch not in (True, False, "auto"):
             raise ValueError(f"prefetch must be True, False or 'auto', not {prefetch!r}")
-        self.prefetch: bool = self.device.type != "cpu" if prefetch == "auto" else bool(prefetch)
+        on_host = runtime(self.device.type).is_host  # nothing to copy: no thread to hide it
+        self.prefetch: bool = not on_host if prefetch == "auto" else bool(prefetch)
         self.depth = depth
         self._counters = _Counters()
         self._epoch = 0  #: the epoch the next pass uses while the epoch is automatic
@@ -690,7 +691,7 @@ class _Pass:
             moved = to(batch, self.device)
             if self.owner.transform is not None:
                 moved = self.owner.transform(moved)
-            if self.device.type != "cpu" and nbytes == 0:
+            if not self.backend.is_host and nbytes == 0:
                 c.bytes_moved += nbytes_off(batch, self.device)
             self.ready = (moved, None)
             return

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from anydevice.backends import runtime
 from anydevice.clocks import active_device, resolve_device, synchronize
 from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
@@ -63,6 +64,11 @@ __all__ = [
 FRAGMENTED_BYTES = 2**30
 #: ... and reserved at least this many times allocated.
 FRAGMENTED_RATIO = 2.0
+
+
+def _is_host(device: torch.device) -> bool:
+    """Whether ``device`` is the host, whose memory is the process's resident set."""
+    return runtime(device.type).is_host
 
 
 def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
@@ -148,7 +154,7 @@ class MemoryStats:
 
     def __repr__(self) -> str:
         b = format_bytes
-        if self.device == "cpu":
+        if _is_host(torch.device(self.device)):
             head = (
                 f"process {b(self.allocated)} resident, peak {b(self.peak)}; "
                 f"system {b(self.free)} available of {b(self.total)}"
@@ -208,7 +214,7 @@ def memory(device: DeviceLike | None = "auto") -> MemoryStats:
     notes: list[str] = []
     free: int | None
     total: int | None
-    if dev.type == "cpu":
+    if _is_host(dev):
         free, total = system_memory()
         notes.append("allocated is the resident set size; peak the process's lifetime maximum")
     else:
@@ -366,7 +372,7 @@ def track_memory(
         current = _Reader(dev)
         usage = MemoryUsage(dev, current(), "")
         previous_peak = 0
-        high_water = peak_rss() if dev.type == "cpu" else None
+        high_water = peak_rss() if _is_host(dev) else None
         sampler = _Sampler(current, interval)
     token = _open.set((*_open.get(), usage))
     if history is not None:
@@ -387,7 +393,7 @@ def track_memory(
             sampled = sampler.stop()
             usage._end = current()
             current.close()
-            new_high = peak_rss() if dev.type == "cpu" else None
+            new_high = peak_rss() if _is_host(dev) else None
             if high_water is not None and new_high is not None and new_high > high_water:
                 usage._peak, usage.exact = new_high, True
                 usage.method = "exact: the block set the process's high-water mark"
@@ -407,14 +413,14 @@ class _Reader:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._fd: int | None = None
-        if device.type == "cpu" and sys.platform.startswith("linux"):
+        if _is_host(device) and sys.platform.startswith("linux"):
             self._fd = os.open("/proc/self/statm", os.O_RDONLY)
             self._page = os.sysconf("SC_PAGE_SIZE")
 
     def __call__(self) -> int:
         if self._fd is not None:
             return int(os.pread(self._fd, 64, 0).split()[1]) * self._page
-        if self.device.type == "cpu":
+        if _is_host(self.device):
             return rss()
         return read(self.device).allocated
 
@@ -473,12 +479,12 @@ def free_memory(device: DeviceLike | None = None) -> int:
     synchronize(dev)  # blocks still in use by queued work are not released
     empty_cache(dev)
     pinned = release_pinned()
-    return max(0, before - held()) + (pinned if dev.type != "cpu" else 0)
+    return max(0, before - held()) + (0 if _is_host(dev) else pinned)
 
 
 def _held_reader(device: torch.device) -> Callable[[], int]:
     """What giving memory back lowers: resident memory (CPU), reserved memory (others)."""
-    if device.type == "cpu":
+    if _is_host(device):
         return rss
 
     def held() -> int:

@@ -51,8 +51,24 @@ MAX_DEPTH = 200
 #: would run ~1,400 young and several full collections over them, ~40% of a plain loop's
 #: time (``benchmarks/bench_to.py``, ``to-1e6-tensors``).
 GC_PAUSE_AT = 4096
-# Targets a copy can be asynchronous to: the host returns before the copy ends.
-_ASYNC_TARGETS = frozenset({"cuda", "xpu"})
+
+
+class _AsyncTargets(dict[str, bool]):
+    """Per device type: whether a copy to it can be asynchronous (the host returns before
+    the copy ends), which its backend's streams order: CUDA, XPU, privateuse1 backends.
+    Filled on first use of each type, so the walk's test stays one dict lookup."""
+
+    def __missing__(self, kind: str) -> bool:
+        from anydevice.backends import runtime
+
+        answer = self[kind] = runtime(kind).has_streams
+        return answer
+
+    def __contains__(self, kind: object) -> bool:
+        return self[kind] if isinstance(kind, str) else False
+
+
+_ASYNC_TARGETS = _AsyncTargets()
 _NO_INDEX = frozenset({"cpu", "meta"})
 _EMPTY: frozenset[Any] = frozenset()
 _NONE = object()

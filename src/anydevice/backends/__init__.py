@@ -53,8 +53,16 @@ def _get(kind: str) -> Backend:
 
 def runtime(kind: str) -> Backend:
     """The backend that runs work on devices of ``kind``: :func:`get`'s, and for a device
-    type no backend claims (``meta``, ``lazy``) the CPU's, which has no streams."""
+    type no backend claims (``meta``, ``lazy``) one with no streams, nothing to wait for
+    and no memory counters (:class:`~anydevice.backends.base.Unclaimed`)."""
     try:
         return get(kind)
     except KeyError:
-        return get("cpu")
+        return _unclaimed()
+
+
+@cache
+def _unclaimed() -> Backend:
+    from anydevice.backends.base import Unclaimed
+
+    return Unclaimed()

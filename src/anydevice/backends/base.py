@@ -58,6 +58,9 @@ class Backend(ABC):
     #: Whether ``"gpu"`` may mean this kind.
     is_gpu: ClassVar[bool] = False
 
+    #: The device is the host itself (the CPU): its memory is the process's resident set,
+    #: nothing is copied to reach it, and nothing is queued.
+    is_host: ClassVar[bool] = False
     #: Work runs on eager streams, ordered through ``torch.Stream``/``torch.Event`` (when
     #: the kind is torch's current accelerator). False: MPS (one queue), XLA (a graph),
     #: the CPU; their side streams are no-ops and their copies synchronous.
@@ -284,6 +287,24 @@ class Backend(ABC):
 
 #: What a backend raises for an allocator call it does not implement.
 _UNSUPPORTED = (RuntimeError, NotImplementedError, AttributeError)
+
+
+class Unclaimed(Backend):
+    """The run time of a device type no backend claims (``meta``, ``lazy``): no streams,
+    nothing queued to wait for, no memory counters; discovery finds nothing."""
+
+    kind = "unclaimed"
+    label = "device"
+    counts_peaks = False
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        return Probe()
+
+    def in_use(self) -> list[torch.device]:
+        return []
+
+    def synchronize(self, device: torch.device) -> None:
+        return None
 
 
 def device_module(kind: str) -> Any | None:

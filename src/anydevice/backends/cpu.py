@@ -36,6 +36,7 @@ class CpuBackend(Backend):
     kind = "cpu"
     label = "CPU"
 
+    is_host = True
     counts_peaks = False  # the process's high-water mark cannot be restarted: sampled
 
     def in_use(self) -> list[torch.device]:
