@@ -84,6 +84,29 @@ def test_backend_follows_the_device_kind():
     assert backend_for(torch.device("mps")) == "gloo"
 
 
+def test_a_privateuse1_backend_gets_the_collective_backend_it_registered():
+    # torch's own map, as an out-of-tree backend fills it (Ascend: npu -> hccl); in a child,
+    # since renaming privateuse1 and registering a backend are for the life of a process.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from anydevice.distributed.context import backend_for
+        torch.utils.rename_privateuse1_backend("npuish")
+        dist.Backend.register_backend("fakecc", lambda *a: None, devices=["npuish"])
+        print(backend_for(torch.device("npuish", 0)), backend_for(torch.device("xpu")))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    xccl = getattr(dist, "is_xccl_available", lambda: False)()
+    assert out == ["fakecc", "xccl" if xccl else "gloo"]
+
+
 def test_rank_device_is_the_spec_for_fixed_devices():
     assert rank_device("cpu", 3) == torch.device("cpu")
     assert rank_device("auto", 3) == ad.devices("auto")[3 % len(ad.devices("auto"))]

@@ -43,13 +43,13 @@ from anydevice.distributed.environment import World
 from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.selection import DeviceLike
+from anydevice.streams import stream_device
 
 __all__ = ["Distributed", "backend_for", "distributed", "rank_device"]
 
 logger = logging.getLogger("anydevice")
 
 #: The collective backend torch recommends for each device kind.
-_BACKENDS = {"cuda": "nccl", "xpu": "xccl"}
 
 T = TypeVar("T")
 
@@ -151,7 +151,7 @@ class Distributed:
         """Wait until every rank gets here; returns at once in a world of one."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if self.device.type == "cuda" and "nccl" in str(dist.get_backend()):
+        if "nccl" in str(dist.get_backend()):  # NCCL's barrier names its GPU
             dist.barrier(device_ids=[_index(self.device)])
         else:
             dist.barrier()
@@ -269,16 +269,27 @@ def rank_device(spec: DeviceLike, local_rank: int) -> torch.device:
 
 
 def backend_for(device: torch.device) -> str:
-    """The collective backend for a device kind: NCCL on CUDA, XCCL on XPU (when this torch
-    has it), gloo otherwise.
+    """The collective backend for a device kind, as torch maps it
+    (``torch.distributed.Backend.default_device_backend_map``: NCCL on CUDA, XCCL on XPU,
+    what a privateuse1 backend registered for its devices), gloo otherwise. A mapped
+    backend this torch lacks gives gloo, apart from NCCL: a CUDA job is told NCCL is
+    missing rather than silently slowed.
 
     >>> backend_for(torch.device("cpu"))
     'gloo'
     """
-    name = _BACKENDS.get(device.type, "gloo")
-    if name == "xccl" and not getattr(dist, "is_xccl_available", lambda: False)():
+    name = str(dist.Backend.default_device_backend_map.get(device.type, "gloo"))
+    if name not in ("gloo", "nccl") and not _built(name):
         return "gloo"
     return name
+
+
+def _built(backend: str) -> bool:
+    """Whether this torch has the collective ``backend``."""
+    available = getattr(dist, "is_backend_available", None)
+    if available is not None:
+        return bool(available(backend))
+    return bool(getattr(dist, f"is_{backend}_available", lambda: False)())
 
 
 # ----------------------------------------------------------------------------- internals
@@ -349,8 +360,8 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
         )
     # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
     # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
-    if "nccl" in name and dev.type == "cuda" and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        count = len(selection.devices("cuda"))
+    if "nccl" in name and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        count = len(selection.devices(dev.type))
         if world.local_world_size > count:
             raise DistributedError(
                 f"{world.local_world_size} ranks run on this machine but {count} CUDA "
@@ -362,15 +373,19 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
 
 @contextlib.contextmanager
 def _current_device(dev: torch.device) -> Iterator[None]:
-    """Make ``dev`` the current device for the block and restore the previous one after."""
-    if dev.type == "cuda":
-        with torch.cuda.device(_index(dev)):
-            yield
-    elif dev.type == "xpu":
-        with torch.xpu.device(_index(dev)):
-            yield
-    else:
+    """Make ``dev`` the current device for the block and restore the previous one after
+    (a device with streams, through ``torch.accelerator``; elsewhere nothing to make
+    current)."""
+    where = stream_device(dev)
+    if where is None:
         yield
+        return
+    before = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(where.index)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_device_index(before)
 
 
 def _init(
@@ -391,7 +406,7 @@ def _init(
     options: dict[str, object] = {}
     if timeout is not None:
         options["timeout"] = _seconds(timeout)
-    if dev.type in ("cuda", "xpu") and backend in ("nccl", "xccl"):
+    if backend in ("nccl", "xccl") and backend == backend_for(dev):
         options["device_id"] = dev  # binds the group to this GPU: eager, correct barriers
     logger.info("init_process_group(%s, %s) as %s", backend, init_method, world.describe())
     try:
