@@ -678,7 +678,8 @@ def test_a_long_walk_runs_no_collection_and_gives_the_collector_back(kind: str) 
     xs = [torch.zeros(1) for _ in range(20 * GC_PAUSE_AT)]  # ~115 young collections' worth
     obj: Any = {"list": xs, "dict": dict(enumerate(xs)), "nested": {"batch": [xs]}}[kind]
     ad.to([torch.zeros(1)], META)  # imports made now: they may collect
-    counted = _Collections()
+    gc.collect()  # the young generation's count starts at 0: the walk's few allocations
+    counted = _Collections()  # before it meets the long list cannot trigger a collection
     gc.callbacks.append(counted)
     try:
         moved = ad.to(obj, META)

@@ -64,9 +64,6 @@ class _AsyncTargets(dict[str, bool]):
         answer = self[kind] = runtime(kind).has_streams
         return answer
 
-    def __contains__(self, kind: object) -> bool:
-        return self[kind] if isinstance(kind, str) else False
-
 
 _ASYNC_TARGETS = _AsyncTargets()
 _NO_INDEX = frozenset({"cpu", "meta"})
@@ -240,13 +237,13 @@ def to(
 
 
 def _auto_non_blocking(src: torch.device, t: Tensor, target_type: str) -> bool:
-    if target_type not in _ASYNC_TARGETS:
+    if not _ASYNC_TARGETS[target_type]:
         return False  # to the CPU (garbage until synchronised), MPS, XLA, meta: blocking
     # From the host: blocking, pinned or not. The caller owns the source; an asynchronous
     # copy from a pinned buffer would read it after to() returned, so refilling the buffer
     # (the usual staging pattern) would change what the device gets. DeviceLoader owns its
     # buffers and copies asynchronously itself.
-    return src.type in _ASYNC_TARGETS
+    return _ASYNC_TARGETS[src.type]
 
 
 _PATH, _DEVICE = "\x00path\x00", "\x00device\x00"  # filled in once the path is known
@@ -323,7 +320,7 @@ class _Mover:
         self.nb = nb
         # Tensor.to's non_blocking for every leaf; None: "auto", answered per source type
         self.leaf_nb: bool | None = (
-            nb if nb != "auto" else (None if self.target_type in _ASYNC_TARGETS else False)
+            nb if nb != "auto" else (None if _ASYNC_TARGETS[self.target_type] else False)
         )
         self.skip = skip
         self.active: set[int] = set()  # ids of the containers on the current path
