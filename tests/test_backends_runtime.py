@@ -9,7 +9,9 @@ These tests hold that true: a CUDA-only path added beside the tested one fails h
 
 from __future__ import annotations
 
+import ast
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +93,81 @@ def test_cuda_without_a_gpu_has_no_stream_device_and_stays_uninitialised() -> No
         pytest.skip("a GPU is here: the cuda-marked tests cover it")
     assert backends.get("cuda").stream_device(torch.device("cuda", 0)) is None
     assert not torch.cuda.is_initialized()
+
+
+# ------------------------------------------------------------------ device-kind branches
+KIND_NAMES = frozenset({"cpu", "cuda", "mps", "xpu", "xla", "meta", "npu", "hpu", "mtia"})
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "anydevice"
+
+#: Comparisons of a device type (or kind) to a literal kind name left outside backends/,
+#: per module: each is a branch a new device kind has to be added to. Only ever lowered.
+STILL_BRANCHING = {
+    "console.py": 2,
+    "distributed/context.py": 2,
+    "distributed/parallel.py": 2,
+    "distributed/sharding.py": 1,
+    "distributed/sharing.py": 1,
+    "doctor/checks.py": 2,
+    "doctor/levers.py": 10,
+    "doctor/measure.py": 14,
+    "doctor/peaks.py": 1,
+    "doctor/plot.py": 2,
+    "flops.py": 1,
+    "inventory.py": 2,
+    "layout.py": 5,
+    "memory.py": 1,
+    "memory_history.py": 1,
+    "mismatch.py": 1,
+    "placement.py": 1,
+    "selection.py": 7,
+    "throughput.py": 2,
+    "transfer.py": 1,
+}
+
+
+def _names_a_kind(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in KIND_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_kind(e) for e in node.elts)
+    return False
+
+
+def kind_branches(source: str) -> list[int]:
+    """Lines comparing something to a literal device kind name (``== "cuda"``,
+    ``in ("cuda", "xpu")``), docstrings and doctests aside."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops
+        ):
+            if any(_names_a_kind(n) for n in (node.left, *node.comparators)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_kind_branch_finder_sees_the_forms_it_counts() -> None:
+    code = 'a = d.type == "cuda"\nb = k in ("xpu", "x")\nc = s == "cudax"\nd = t != "cpu"\n'
+    assert kind_branches(code) == [1, 2, 4]
+
+
+def test_no_module_outside_backends_gains_a_device_kind_branch() -> None:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("backends/"):
+            continue
+        lines = kind_branches(path.read_text())
+        if lines:
+            found[rel] = lines
+    grown = {rel: lines for rel, lines in found.items() if len(lines) > STILL_BRANCHING.get(rel, 0)}
+    assert not grown, (
+        "device-kind branches outside backends/ (put the difference in the kind's backend, "
+        f"as a flag or a method): {grown}"
+    )
+    lowered = {
+        rel: len(found.get(rel, []))
+        for rel, n in STILL_BRANCHING.items()
+        if len(found.get(rel, [])) < n
+    }
+    assert not lowered, f"fewer branches than allowed: lower STILL_BRANCHING to {lowered}"

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from anydevice.backends import runtime
 from anydevice.clocks import active_device, resolve_device
 from anydevice.errors import MeasurementError
 from anydevice.matmul import MathSettings, strict_fp32
@@ -128,7 +129,7 @@ def dtype_name(dtype: torch.dtype, device: DeviceLike = "cpu", *, tf32: bool = F
     """
     kind = resolve_device(device).type if not isinstance(device, torch.device) else device.type
     if dtype == torch.float32:
-        return "tf32" if tf32 and kind == "cuda" else "fp32"
+        return "tf32" if tf32 and runtime(kind).tf32 else "fp32"
     if dtype.is_floating_point and dtype.itemsize == 1:
         return "fp8"
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -152,7 +153,8 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
     dev = active_device() if device is None else resolve_device(device)
     if dev.type == "meta":
         return None
-    if dev.type == "cuda":
+    backend = runtime(dev.type)
+    if not backend.is_host:  # an accelerator the datasheet table may list
         from anydevice.doctor.peaks import gpu_peak
         from anydevice.selection import describe
 
@@ -162,11 +164,11 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
             if value is None:
                 return None  # a listed GPU without this dtype in its datasheet: no guess
             return Peak(value, dtype, f"{table.model} datasheet, dense {dtype}")
-    if dtype not in _DTYPES or (dtype == "tf32" and dev.type != "cuda"):
+    if dtype not in _DTYPES or (dtype == "tf32" and not backend.tf32):
         return None
     # The CPU's rate follows torch's thread count: a peak measured with other threads than
     # the step would make a wrong MFU, so each count has its own.
-    threads = torch.get_num_threads() if dev.type == "cpu" else 0
+    threads = torch.get_num_threads() if backend.is_host else 0
     tflops, n = _measured_peak(str(dev), dtype, threads)
     on = f"{dev}, {threads} thread{'s' if threads != 1 else ''}" if threads else str(dev)
     return Peak(tflops, dtype, f"measured: {dtype} matmul {n}^3 on {on}")
@@ -209,8 +211,9 @@ def _math_for(dev: torch.device, dtype: str) -> contextlib.AbstractContextManage
     if dtype not in ("fp32", "tf32"):
         return contextlib.nullcontext()
     now = MathSettings.capture()
-    if dev.type in ("cuda", "cpu"):  # cuBLAS, and oneDNN (bf16 or TF32 on some CPUs)
-        current = now.precision("matmul", "cuda" if dev.type == "cuda" else "mkldnn")
+    governs = runtime(dev.type).math_backend  # cuBLAS's, oneDNN's
+    if governs is not None:
+        current = now.precision("matmul", governs)
     else:  # other backends read the legacy setting
         current = "ieee" if now.matmul_precision == "highest" else "reduced"
     wanted = "tf32" if dtype == "tf32" else "ieee"
@@ -247,7 +250,7 @@ def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
         if first is not None:
             dtype = first.dtype
             break
-    tf32 = dev.type == "cuda" and MathSettings.capture().precision("matmul") == "tf32"
+    tf32 = runtime(dev.type).tf32 and MathSettings.capture().precision("matmul") == "tf32"
     return dtype_name(dtype, dev, tf32=tf32)
 
 

@@ -61,6 +61,11 @@ class Backend(ABC):
     #: The device is the host itself (the CPU): its memory is the process's resident set,
     #: nothing is copied to reach it, and nothing is queued.
     is_host: ClassVar[bool] = False
+    #: fp32 matmuls may run as TF32 here (CUDA, where the math settings allow it).
+    tf32: ClassVar[bool] = False
+    #: The ``torch.backends`` name whose ``fp32_precision`` governs matmuls here (CUDA:
+    #: ``"cuda"``, the CPU: ``"mkldnn"``); None: the legacy global setting.
+    math_backend: ClassVar[str | None] = None
     #: Work runs on eager streams, ordered through ``torch.Stream``/``torch.Event`` (when
     #: the kind is torch's current accelerator). False: MPS (one queue), XLA (a graph),
     #: the CPU; their side streams are no-ops and their copies synchronous.

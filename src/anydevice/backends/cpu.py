@@ -37,6 +37,7 @@ class CpuBackend(Backend):
     label = "CPU"
 
     is_host = True
+    math_backend = "mkldnn"  # oneDNN: bf16, or TF32 on some CPUs
     counts_peaks = False  # the process's high-water mark cannot be restarted: sampled
 
     def in_use(self) -> list[torch.device]:

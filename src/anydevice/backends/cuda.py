@@ -374,6 +374,8 @@ class CudaBackend(Backend):
     reuses_events = True
     pins_surely = True
     times_events = True
+    tf32 = True
+    math_backend = "cuda"
 
     def in_use(self) -> list[torch.device]:
         """Each GPU this process has a context on, torch's current device first, read from
