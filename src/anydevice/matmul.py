@@ -26,6 +26,12 @@ from typing import Literal
 
 import torch
 
+from anydevice.backends.torch_private import (
+    cudnn_allow_tf32,
+    fp32_precision,
+    has_fp32_precision_tree,
+    set_fp32_precision,
+)
 from anydevice.errors import PrecisionError
 
 __all__ = ["MathSettings", "fast_matmul", "strict_fp32"]
@@ -55,17 +61,15 @@ def _legacy_on_purpose() -> Iterator[None]:
 
 
 def _has_tree() -> bool:
-    return hasattr(torch._C, "_get_fp32_precision_getter")
+    return has_fp32_precision_tree()
 
 
 def _get(node: Node) -> str:
-    # torch._C directly: torch.backends.mkldnn.fp32_precision's setter writes the generic
-    # value instead of mkldnn's (torch 2.13), so the public attributes cannot restore it.
-    return str(torch._C._get_fp32_precision_getter(*node))
+    return fp32_precision(*node)
 
 
 def _put(node: Node, value: str) -> None:
-    torch._C._set_fp32_precision_setter(*node, value)
+    set_fp32_precision(*node, value)
 
 
 def _stored_parent(parent: Node, generic: str) -> str:
@@ -125,7 +129,7 @@ def _legacy_cudnn(tree: dict[Node, str]) -> bool:
         for node in touched:
             _put(node, "tf32")
         try:
-            return bool(torch._C._get_cudnn_allow_tf32())
+            return cudnn_allow_tf32()
         except RuntimeError:  # "a mix of the legacy and new APIs": the flag is False
             return False
     finally:

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import torch
 
+from anydevice.backends.torch_private import record_memory_history, snapshot_memory, trace_plot
 from anydevice.clocks import resolve_device
 from anydevice.errors import MeasurementError
 from anydevice.selection import DeviceLike
@@ -60,20 +61,16 @@ def html_path(snapshot: PathLike) -> Path:
 
 
 def _start(max_entries: int) -> None:
-    torch.cuda.memory._record_memory_history(
-        enabled="all", context="all", stacks="python", max_entries=max_entries
-    )
+    record_memory_history(enabled="all", context="all", stacks="python", max_entries=max_entries)
 
 
 def _stop() -> None:
-    torch.cuda.memory._record_memory_history(enabled=None)
+    record_memory_history(enabled=None)
 
 
 def _write(path: Path) -> Path:
     """Write the snapshot (pickle) and its HTML timeline; return the snapshot's path."""
-    from torch.cuda._memory_viz import trace_plot
-
-    snapshot = torch.cuda.memory._snapshot()
+    snapshot = snapshot_memory()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from anydevice.backends.torch_private import host_empty_cache
+
 __all__ = ["Pinned", "read_pinned", "release_pinned"]
 
 
@@ -62,9 +64,7 @@ def release_pinned() -> int:
     before = read_pinned()
     if before is None:
         return 0
-    empty = getattr(torch.accelerator, "empty_host_cache", None)
-    if empty is None:  # torch before the accelerator API had it
-        empty = getattr(torch._C, "_host_emptyCache", None)
+    empty = host_empty_cache()
     if empty is None:
         return 0
     empty()

@@ -34,6 +34,7 @@ from anydevice import torchbuild
 from anydevice.backends import nvml
 from anydevice.backends.base import Backend, Probe
 from anydevice.backends.nvml import GpuRecord, NvmlUnavailable
+from anydevice.backends.torch_private import cudnn_binding, primary_context_query
 from anydevice.inventory import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
@@ -645,9 +646,8 @@ def cudnn_version_number() -> int | None:
     alone: no device, no CUDA initialisation. None without cuDNN (a CPU build, or ROCm,
     whose binding reports MIOpen's version instead).
     """
-    import torch
 
-    binding = getattr(torch._C, "_cudnn", None)
+    binding = cudnn_binding()
     get = getattr(binding, "getVersionInt", None)
     if get is None or not getattr(binding, "is_cuda", False):
         return None
@@ -665,7 +665,7 @@ def has_primary_context(index: int) -> bool:
 
     if not torch.cuda.is_initialized():
         return False
-    has = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    has = primary_context_query()
     if has is not None:
         return bool(has(index))
     return int(torch.cuda.memory_reserved(index)) > 0

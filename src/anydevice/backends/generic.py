@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from anydevice.backends.base import Backend, Probe, device_module
+from anydevice.backends.torch_private import privateuse1_name
 from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def kinds() -> tuple[str, ...]:
     if torch is None:
         return ()
     found: list[str] = []
-    name = str(torch._C._get_privateuse1_backend_name())
+    name = privateuse1_name()
     if name not in _NAMED:
         found.append(name)
     current = _current_type(torch)

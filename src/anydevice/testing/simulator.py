@@ -155,9 +155,10 @@ def _check_torch() -> None:
 
 def _check_slot(name: str) -> None:
     """Raise when torch's one privateuse1 slot holds another backend."""
-    import torch
 
-    current = str(torch._C._get_privateuse1_backend_name())
+    from anydevice.backends.torch_private import privateuse1_name
+
+    current = privateuse1_name()
     if current in (_UNSET, name) and (current == _UNSET or _name == name):
         return
     if _name is not None and current == _name:
