@@ -67,4 +67,4 @@ def test_the_cuda_bindings_fall_back_on_a_build_without_them() -> None:
 def test_the_host_cache_is_emptied_through_the_public_name_where_torch_has_it() -> None:
     empty = tp.host_empty_cache()
     public = getattr(torch.accelerator, "empty_host_cache", None)
-    assert empty is (public if public is not None else getattr(torch._C, "_host_emptyCache"))
+    assert empty is (public if public is not None else torch._C._host_emptyCache)

@@ -100,7 +100,7 @@ def device_table(d: DeviceInfo) -> Panel:
         )
     else:
         row("memory", None)
-    if d.kind != "cpu":
+    if d.is_accelerator:
         cc = d.compute_capability
         row("compute capability", None if cc is None else f"{cc[0]}.{cc[1]}")
         row("multiprocessors", d.multiprocessors)

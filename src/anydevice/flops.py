@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from anydevice.backends import runtime
+
 __all__ = ["FlopCount", "ModuleFlops", "flops"]
 
 #: Op names that do real arithmetic, and that an op missing from the counter's registry
@@ -351,7 +353,7 @@ class _Recorder(TorchDispatchMode):
 
     def _dtype(self, op: str, tensor: torch.Tensor) -> str:
         dtype = tensor.dtype
-        if dtype == torch.float32 and tensor.device.type == "cuda" and _tf32(op):
+        if dtype == torch.float32 and runtime(tensor.device.type).tf32 and _tf32(op):
             return "tf32"
         if dtype.is_floating_point and dtype.itemsize == 1:
             return "fp8"

@@ -121,7 +121,7 @@ class _Pinner(_Mover):
         self.already = True  #: every dense CPU tensor came pinned
 
     def tensor(self, x: torch.Tensor, src: torch.device | None = None) -> torch.Tensor:
-        if (x.device if src is None else src).type != "cpu":
+        if not x.is_cpu:
             return x  # on a device already (this one or another): ad.to handles it
         hit = self.memo.get(id(x))
         if hit is not None:

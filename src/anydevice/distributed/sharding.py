@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anydevice.backends import runtime
 from anydevice.errors import DistributedError
 from anydevice.precision import Precision, precision
 
@@ -120,7 +121,9 @@ def fully_shard_model(
     if cpu_offload:
         # Pinned host memory needs an accelerator; on the CPU the parameters are already
         # in host memory and offloading only keeps the code path the same.
-        fsdp_kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=device.type != "cpu"))
+        fsdp_kwargs.setdefault(
+            "offload_policy", CPUOffloadPolicy(pin_memory=not runtime(device.type).is_host)
+        )
     parts = blocks(model, shard)
     for block in parts:
         fully_shard(block, **fsdp_kwargs)

@@ -253,7 +253,7 @@ def check_free_memory(inv: Inventory, env: Mapping[str, str]) -> Check:
     if d.memory_free is None or d.memory_total is None:
         return Check("free-memory", title, "skip", f"free memory of {d.spec} is unknown.")
     share = d.memory_free / d.memory_total if d.memory_total else 0.0
-    floor = 2 * 2**30 if d.kind == "cpu" else 2**30
+    floor = 2**30 if d.is_accelerator else 2 * 2**30
     line = f"{d.spec}: {format_bytes(d.memory_free)} free of {format_bytes(d.memory_total)}"
     if share >= 0.10 and d.memory_free >= floor:
         return Check("free-memory", title, "ok", f"{line} ({share:.0%}).")
@@ -266,7 +266,7 @@ def check_free_memory(inv: Inventory, env: Mapping[str, str]) -> Check:
     fix = (
         "Free it (other processes, or ad.free_memory()), or pick another device: "
         "ad.device('free') takes the GPU with the most free memory."
-        if d.kind != "cpu"
+        if d.is_accelerator
         else "Close other programs, or lower batch sizes."
     )
     return Check("free-memory", title, "warn", f"{line} ({share:.0%}).{holders}", fix)

@@ -268,7 +268,7 @@ def _mark_noisy(run: Run, before: tuple[int, int]) -> None:
 def _choose(inv: Inventory, plan: Plan) -> list[DeviceInfo]:
     chosen, models = [], set()
     for d in inv.devices:
-        if d.kind != "cpu" and not plan.every_gpu:
+        if d.is_accelerator and not plan.every_gpu:
             if (d.kind, d.name) in models:
                 continue  # identical to one already measured
             models.add((d.kind, d.name))

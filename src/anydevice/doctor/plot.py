@@ -123,7 +123,7 @@ def _title(m: Measurements, inv: Inventory | None) -> str:
     head = "anydevice doctor"
     if inv is not None:
         h = inv.host
-        gpus = [d for d in inv.devices if d.kind != "cpu"]
+        gpus = [d for d in inv.devices if d.is_accelerator]
         names = list(dict.fromkeys(d.name for d in gpus))
         accel = f" + {len(gpus)}x {', '.join(names)}" if gpus else ", no GPU"
         head += f": {h.cpu_model} ({h.cores_usable} cores){accel}; torch {h.torch}"
