@@ -35,9 +35,10 @@ RUN_TIME = (
 
 #: What each kind with streams does its own way, and why (nothing generic answers it).
 OWN_WAY = {
-    # has this GPU a primary context (the driver), asked without creating one
-    "cuda": {"in_use", "synchronize", "free_total", "cache_bytes"},
-    "xpu": set(),
+    # has this GPU a primary context (the driver), asked without creating one; the
+    # compute-capability rules of its policies
+    "cuda": {"in_use", "synchronize", "free_total", "cache_bytes", "channels_last_pays"},
+    "xpu": {"channels_last_pays"},  # oneDNN's
     "accelerator": {"in_use"},  # the privateuse1 name and torch's current accelerator
 }
 
@@ -111,7 +112,6 @@ STILL_BRANCHING = {
     "doctor/peaks.py": 1,
     "doctor/plot.py": 1,
     "inventory.py": 2,
-    "layout.py": 5,
     "memory.py": 1,
     "memory_history.py": 1,
     "mismatch.py": 1,

@@ -45,23 +45,9 @@ def channels_last_pays(info: DeviceInfo) -> tuple[bool, str]:
     >>> channels_last_pays(DeviceInfo(kind="mps", index=0, name="Apple M2 GPU"))[0]
     False
     """
-    who = f"{info.spec} ({info.name})"
-    if info.kind == "cuda":
-        cc = info.compute_capability
-        if cc is None:
-            return False, f"{who}: compute capability unknown, so Tensor Cores are not assumed"
-        ccs = f"{cc[0]}.{cc[1]}"
-        if cc >= (7, 0):
-            amp = "fp16 autocast" if cc < (8, 0) else "TF32, bf16 or fp16"
-            return True, f"{who}: Tensor Cores (compute capability {ccs}) convolve NHWC with {amp}"
-        return False, f"{who}: no Tensor Cores (compute capability {ccs} < 7.0)"
-    if info.kind in ("cpu", "xpu"):
-        return True, f"{who}: oneDNN convolutions are fastest in NHWC"
-    if info.kind == "mps":
-        return False, f"{who}: MPS convolves NCHW; channels_last adds conversions"
-    if info.kind == "xla":
-        return False, f"{who}: XLA chooses memory layouts itself"
-    return False, f"{who}: no known gain from channels_last"
+    from anydevice.backends import runtime
+
+    return runtime(info.kind).channels_last_pays(info)
 
 
 def channels_last(model: M, device: DeviceLike | DeviceInfo | None = None) -> M:
@@ -132,6 +118,8 @@ def _info(model: nn.Module, device: DeviceLike | DeviceInfo | None) -> DeviceInf
             tensor = next(model.buffers(), None)
         device = tensor.device if tensor is not None else torch.device("cpu")
     target = device if isinstance(device, torch.device) else selection_device(device)
-    if target.type != "cuda":  # the rule needs only the kind: no hardware lookup
+    from anydevice.backends import runtime
+
+    if not runtime(target.type).policies_need_facts:  # the kind alone: no hardware lookup
         return DeviceInfo(kind=target.type, index=target.index, name=target.type.upper())
     return describe(target, telemetry=False)

@@ -222,6 +222,14 @@ class Backend(ABC):
             return None, None, []
         return info.memory_free, info.memory_total, []
 
+    # Policies that depend on the kind's hardware, asked with the device's facts.
+    #: The policies below need the device's facts (compute capability) beyond its kind.
+    policies_need_facts: ClassVar[bool] = False
+
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        """Whether channels_last convolutions pay on this device, and why (pure)."""
+        return False, f"{info.spec} ({info.name}): no known gain from channels_last"
+
     def end_step(self) -> None:
         """Cut and run a lazy graph here (:attr:`lazy` kinds); nothing elsewhere."""
         return

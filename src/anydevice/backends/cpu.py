@@ -38,6 +38,10 @@ class CpuBackend(Backend):
 
     is_host = True
     math_backend = "mkldnn"  # oneDNN: bf16, or TF32 on some CPUs
+
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        return True, f"{info.spec} ({info.name}): oneDNN convolutions are fastest in NHWC"
+
     counts_peaks = False  # the process's high-water mark cannot be restarted: sampled
 
     def in_use(self) -> list[torch.device]:

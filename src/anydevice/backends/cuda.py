@@ -378,6 +378,19 @@ class CudaBackend(Backend):
     tf32 = True
     math_backend = "cuda"
 
+    policies_need_facts = True
+
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        who = f"{info.spec} ({info.name})"
+        cc = info.compute_capability
+        if cc is None:
+            return False, f"{who}: compute capability unknown, so Tensor Cores are not assumed"
+        ccs = f"{cc[0]}.{cc[1]}"
+        if cc >= (7, 0):
+            amp = "fp16 autocast" if cc < (8, 0) else "TF32, bf16 or fp16"
+            return True, f"{who}: Tensor Cores (compute capability {ccs}) convolve NHWC with {amp}"
+        return False, f"{who}: no Tensor Cores (compute capability {ccs} < 7.0)"
+
     def in_use(self) -> list[torch.device]:
         """Each GPU this process has a context on, torch's current device first, read from
         the driver without creating one (work is queued only through a context)."""

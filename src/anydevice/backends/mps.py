@@ -21,6 +21,12 @@ class MpsBackend(Backend):
     is_gpu = True
     times_events = True  # on its one queue (no side streams: timeit synchronises instead)
 
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        return (
+            False,
+            f"{info.spec} ({info.name}): MPS convolves NCHW; channels_last adds conversions",
+        )
+
     counts_peaks = False  # MPS keeps no peak counter: track_memory() samples it
 
     def memory(self, device: torch.device) -> Counters:

@@ -27,6 +27,9 @@ class XlaBackend(Backend):
 
     counts_peaks = False
 
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        return False, f"{info.spec} ({info.name}): XLA chooses memory layouts itself"
+
     def end_step(self) -> None:
         step()
 

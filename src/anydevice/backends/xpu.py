@@ -15,6 +15,9 @@ class XpuBackend(Backend):
     is_gpu = True
     has_streams = True
 
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        return True, f"{info.spec} ({info.name}): oneDNN convolutions are fastest in NHWC"
+
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Nothing to find when torch was built without XPU; otherwise only torch can tell."""
         build = torchbuild.read()
