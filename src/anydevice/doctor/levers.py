@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anydevice.backends import runtime
 from anydevice.clocks import clock_for
 from anydevice.doctor.budget import Slot, Timed, compare, sized
 from anydevice.doctor.measure import (
@@ -39,6 +40,7 @@ from anydevice.doctor.measure import (
 from anydevice.doctor.results import Lever
 from anydevice.inventory import DeviceInfo, format_bytes
 from anydevice.precision import Precision
+from anydevice.streams import stream_device
 
 __all__ = ["lever_steps"]
 
@@ -48,13 +50,14 @@ def lever_steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float,
     steps: list[tuple[str, float, Step]] = [
         ("fast_matmul", 1.0, functools.partial(_fast_matmul_lever, info, kind, run))
     ]
-    if kind == "cuda":
+    backend = runtime(kind)
+    if backend.pins_surely:  # host-to-device copies that pinning and streams speed up
         steps.append(("pinned memory", 1.0, functools.partial(_pinned_lever, info, run)))
         steps.append(("non_blocking overlap", 1.0, functools.partial(_overlap_lever, info, run)))
     steps.append(("training step", 2.0, functools.partial(_step_comparison, info, kind, run)))
-    if kind == "cpu":
+    if backend.is_host:
         steps.append(("threads", 2.0, functools.partial(_threads_lever, info, run)))
-    if kind != "cpu":  # on the CPU the comparison's step is already compute-bound
+    else:  # on the CPU the comparison's step is already compute-bound
         steps.append(("autocast", 1.5, functools.partial(_autocast_lever, info, run)))
     steps.append(("channels_last", 2.0, functools.partial(_channels_last_lever, info, kind, run)))
     return steps
@@ -79,18 +82,19 @@ def _lever(info: DeviceInfo, name: str, title: str, workload: str, how: str,
 
 
 def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
-    largest = run.plan.cpu_matmul if kind == "cpu" else run.plan.gpu_matmul
+    backend = runtime(kind)
+    largest = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
     title = "reduced-precision fp32 matmuls"
-    if kind == "cuda" and info.tf32:
+    if backend.tf32 and info.tf32:
         how = "with ad.fast_matmul(): ... (TF32 matmuls and convolutions: ~1e-3 relative error)."
         fast = "tf32"
-    elif kind == "cpu" and info.bf16:
+    elif backend.is_host and info.bf16:
         how = 'with ad.fast_matmul("medium"): ... (fp32 matmuls computed in bf16: ~1e-2 error).'
         fast = "fp32-medium"
     else:
         cc = info.compute_capability
         note = (f"no TF32 on compute capability {cc[0]}.{cc[1]} (needs 8.0)"
-                if kind == "cuda" and cc else
+                if backend.tf32 and cc else
                 f"no TF32 or bf16 matmul units for fp32 math on {info.spec}")  # fmt: skip
         run.levers.append(Lever(info.spec, "fast-matmul", title, "", "", note=note))
         return
@@ -133,15 +137,19 @@ def _pinned_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
 
 
 class _Streams:
-    """A side stream on CUDA; elsewhere the current thread, so the branch runs anywhere."""
+    """A side stream where the device has streams (its backend's); elsewhere the current
+    thread, so the branch runs anywhere."""
 
     def __init__(self, dev: torch.device) -> None:
-        self.cuda = dev.type == "cuda"
-        self.main = torch.cuda.current_stream(dev) if self.cuda else None
-        self.side = torch.cuda.Stream(dev) if self.cuda else None
+        where = stream_device(dev)
+        self.backend = runtime(dev.type)
+        self.main = None if where is None else self.backend.current_stream(where)
+        self.side = None if where is None else self.backend.new_stream(where)
 
     def on_side(self) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+        if self.side is None:
+            return contextlib.nullcontext()
+        return self.backend.use_stream(self.side)
 
     def fork(self) -> None:
         if self.side is not None and self.main is not None:
@@ -269,7 +277,7 @@ def _step_comparison(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
     p = Precision(info)
     if len(timed.times) > 1:
         run.steps[info.spec]["best"] = (timed.median(1), p.mode)
-    if kind == "cpu":  # the comparison's step is the autocast lever on the CPU
+    if runtime(kind).is_host:  # the comparison's step is the autocast lever on the CPU
         _add_autocast(info, (timed.size, width), timed, p, run)
 
 
@@ -355,7 +363,7 @@ def _conv_pair(info: DeviceInfo, batch: int, side: int) -> Sequence[Callable[[],
 
 
 def _channels_last_lever(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
-    largest, side = run.plan.conv if kind == "cpu" else run.plan.gpu_conv
+    largest, side = run.plan.conv if runtime(kind).is_host else run.plan.gpu_conv
     dev = info.torch_device
     # Smaller images first, then larger batches: an emulated dtype's first call stays small.
     shapes = [(1, s) for s in powers(8, side)[:-1]] + [(b, side) for b in powers(1, largest)]

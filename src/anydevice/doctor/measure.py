@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from anydevice.backends import runtime
 from anydevice.doctor.budget import Budget, Slot, sized
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
 from anydevice.doctor.peaks import gpu_peak, pcie_peak
@@ -291,15 +292,16 @@ def powers(lo: int, hi: int) -> list[int]:
 
 
 def _steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float, Step]]:
-    n = run.plan.cpu_matmul if kind == "cpu" else run.plan.gpu_matmul
+    backend = runtime(kind)
+    n = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
     steps: list[tuple[str, float, Step]] = [
         (f"matmul {dtype}", 1.0, functools.partial(_matmul, info, dtype, n, run))
         for dtype in _dtypes(info, kind)
     ]
     steps.append(("memory copy", 0.5, functools.partial(_memory_copy, info, run)))
-    if kind != "cpu":
+    if not backend.is_host:
         for direction in ("h2d", "d2h"):
-            for pinned in (False, True) if kind == "cuda" else (False,):
+            for pinned in (False, True) if backend.pins_surely else (False,):
                 title = f"{direction} {'pinned' if pinned else 'pageable'}"
                 steps.append(
                     (title, 0.5, functools.partial(_transfer, info, direction, pinned, run))
@@ -310,12 +312,13 @@ def _steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float, Step
 def _dtypes(info: DeviceInfo, kind: str) -> list[str]:
     """fp32 and every reduced dtype; on a CPU bf16 is measured even without native units,
     small (it is sized like the rest), to say how much slower its emulation is."""
-    if kind == "cpu":
+    backend = runtime(kind)
+    if backend.is_host:
         return ["fp32", "bf16"]
     out = ["fp32"]
-    if kind == "cuda" and info.tf32:
+    if backend.tf32 and info.tf32:
         out.append("tf32")
-    if info.bf16 or kind != "cuda":
+    if info.bf16 or not backend.tf32:  # a GPU without TF32 units has no bf16 ones either
         out.append("bf16")
     return [*out, "fp16"]
 
@@ -370,7 +373,8 @@ def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Slot) -> None:
         Measured(
             info.spec,
             f"matmul-{dtype}",
-            f"matmul {dtype}" + (" (TF32 off)" if dtype == "fp32" and info.kind == "cuda" else ""),
+            f"matmul {dtype}"
+            + (" (TF32 off)" if dtype == "fp32" and runtime(info.kind).tf32 else ""),
             2 * k**3 / seconds / 1e9,
             "GFLOP/s",
             peak * 1000 if peak else None,
@@ -387,7 +391,7 @@ def _memory_copy(info: DeviceInfo, run: Run, slot: Slot) -> None:
 
     def make(size: int) -> tuple[Callable[[], object]]:
         src = torch.ones(size // 4, device=dev)
-        if dev.type == "xla":  # copy_ there makes the target alias the source: nothing moves
+        if runtime(dev.type).lazy:  # XLA's copy_ makes the target alias the source
             return (functools.partial(torch.add, src, 1.0, out=torch.empty_like(src)),)
         return (functools.partial(torch.empty_like(src).copy_, src),)
 
@@ -414,8 +418,9 @@ def _memory_copy(info: DeviceInfo, run: Run, slot: Slot) -> None:
 
 
 def copy_call(dev: torch.device, direction: str, pinned: bool, size: int) -> Callable[[], object]:
-    """One host <-> device copy of ``size`` bytes (pinned host memory only on CUDA)."""
-    pin = pinned and dev.type == "cuda"
+    """One host <-> device copy of ``size`` bytes (pinned host memory where the device's
+    backend pins: CUDA)."""
+    pin = pinned and runtime(dev.type).pins_surely
     host = torch.ones(size, dtype=torch.uint8, pin_memory=pin)
     on_device = torch.empty(size, dtype=torch.uint8, device=dev)
     if direction == "h2d":
@@ -455,7 +460,7 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
     def best_of(step: dict[str, tuple[float, str]]) -> tuple[float, str]:
         return min(step.values())
 
-    cpu_step = next((best_of(run.steps[d.spec])[0] for d in chosen if d.kind == "cpu"
+    cpu_step = next((best_of(run.steps[d.spec])[0] for d in chosen if not d.is_accelerator
                      and d.spec in run.steps), None)  # fmt: skip
     rows = []
     for d in chosen:
@@ -531,7 +536,7 @@ def _mfu(
     if not flops or not seconds:
         return None, "", ""
     rate = flops / seconds
-    table = gpu_peak(info) if info.kind == "cuda" else None
+    table = gpu_peak(info) if info.is_accelerator else None
     if table is not None and dtype in table.tflops:
         peak, source, how = table.tflops[dtype] * 1e12, f"{table.model} datasheet", ""
     else:
