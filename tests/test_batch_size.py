@@ -13,8 +13,7 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import anydevice as ad
 from anydevice.batch_size import is_out_of_memory, search

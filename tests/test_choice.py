@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from anydevice.choice import choose_free, cuda_indices, free_key
 from anydevice.errors import VisibilityError

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import anydevice as ad
 from anydevice.matmul import MathSettings, _Saved

@@ -17,8 +17,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 

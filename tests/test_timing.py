@@ -14,8 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import anydevice as ad
 from anydevice.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time, timeit

@@ -9,8 +9,9 @@ The public API is what ``__all__`` lists; everything else is private.
 Each public name loads on first use (PEP 562), so ``import anydevice`` alone imports
 neither torch nor any of our modules: the ``anydevice`` command answers ``--help``,
 ``info`` and ``select`` without torch's seconds of start-up. To add a public name, add it
-to ``__all__``, to ``_SOURCES`` (where it is defined) and to the ``TYPE_CHECKING`` imports
-(what type checkers and editors see); ``tests/test_api.py`` checks that the three agree.
+to ``_SOURCES`` (where it is defined; ``__all__`` is made from it) and to the
+``TYPE_CHECKING`` imports (what type checkers and editors see); ``tests/test_api.py``
+checks that the two agree.
 """
 
 from __future__ import annotations
@@ -22,146 +23,122 @@ from typing import TYPE_CHECKING, Any
 
 from anydevice._version import __version__
 
-if TYPE_CHECKING:
-    from anydevice.batch_size import fit_batch_size
-    from anydevice.checkpoint import load, save
+if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
+    from anydevice.batch_size import (
+        fit_batch_size as fit_batch_size,
+    )
+    from anydevice.checkpoint import (
+        load as load,
+        save as save,
+    )
     from anydevice.distributed import (
-        Distributed,
-        all_gather,
-        all_reduce,
-        broadcast,
-        distributed,
-        gather_for_metrics,
-        launch,
-        load_state,
-        prepare,
-        save_state,
-        share,
-        unwrap,
-        wait_for_saves,
+        Distributed as Distributed,
+        all_gather as all_gather,
+        all_reduce as all_reduce,
+        broadcast as broadcast,
+        distributed as distributed,
+        gather_for_metrics as gather_for_metrics,
+        launch as launch,
+        load_state as load_state,
+        prepare as prepare,
+        save_state as save_state,
+        share as share,
+        unwrap as unwrap,
+        wait_for_saves as wait_for_saves,
     )
     from anydevice.errors import (
-        AnydeviceError,
-        BatchSizeError,
-        CheckpointError,
-        DeviceMismatchError,
-        DeviceNotFoundError,
-        DeviceSpecError,
-        DistributedError,
-        DistributedTimeoutError,
-        ExtensionError,
-        MeasurementError,
-        MoveError,
-        NoTensorError,
-        PrecisionError,
-        StepOrderError,
-        VisibilityError,
-        WorkerFailedError,
-        WorkerImportError,
+        AnydeviceError as AnydeviceError,
+        BatchSizeError as BatchSizeError,
+        CheckpointError as CheckpointError,
+        DeviceMismatchError as DeviceMismatchError,
+        DeviceNotFoundError as DeviceNotFoundError,
+        DeviceSpecError as DeviceSpecError,
+        DistributedError as DistributedError,
+        DistributedTimeoutError as DistributedTimeoutError,
+        ExtensionError as ExtensionError,
+        MeasurementError as MeasurementError,
+        MoveError as MoveError,
+        NoTensorError as NoTensorError,
+        PrecisionError as PrecisionError,
+        StepOrderError as StepOrderError,
+        VisibilityError as VisibilityError,
+        WorkerFailedError as WorkerFailedError,
+        WorkerImportError as WorkerImportError,
     )
-    from anydevice.extension import load_extension
-    from anydevice.flops import FlopCount, ModuleFlops, flops
-    from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo, inventory
-    from anydevice.layout import channels_last
-    from anydevice.loader import DeviceLoader, LoaderStats
-    from anydevice.matmul import fast_matmul
-    from anydevice.memory import MemoryStats, MemoryUsage, free_memory, memory, track_memory
-    from anydevice.mismatch import check_devices, device_of, devices_of, diagnose
-    from anydevice.placement import to
-    from anydevice.precision import Precision, precision
-    from anydevice.profiling import SyncReport, find_syncs, nvtx_range, profile
+    from anydevice.extension import (
+        load_extension as load_extension,
+    )
+    from anydevice.flops import (
+        FlopCount as FlopCount,
+        ModuleFlops as ModuleFlops,
+        flops as flops,
+    )
+    from anydevice.inventory import (
+        DeviceInfo as DeviceInfo,
+        HostInfo as HostInfo,
+        Inventory as Inventory,
+        ProcessInfo as ProcessInfo,
+        inventory as inventory,
+    )
+    from anydevice.layout import (
+        channels_last as channels_last,
+    )
+    from anydevice.loader import (
+        DeviceLoader as DeviceLoader,
+        LoaderStats as LoaderStats,
+    )
+    from anydevice.matmul import (
+        fast_matmul as fast_matmul,
+    )
+    from anydevice.memory import (
+        MemoryStats as MemoryStats,
+        MemoryUsage as MemoryUsage,
+        free_memory as free_memory,
+        memory as memory,
+        track_memory as track_memory,
+    )
+    from anydevice.mismatch import (
+        check_devices as check_devices,
+        device_of as device_of,
+        devices_of as devices_of,
+        diagnose as diagnose,
+    )
+    from anydevice.placement import (
+        to as to,
+    )
+    from anydevice.precision import (
+        Precision as Precision,
+        precision as precision,
+    )
+    from anydevice.profiling import (
+        SyncReport as SyncReport,
+        find_syncs as find_syncs,
+        nvtx_range as nvtx_range,
+        profile as profile,
+    )
     from anydevice.selection import (
-        DeviceLike,
-        describe,
-        device,
-        devices,
-        restrict_visible,
-        try_all_gpus,
-        try_gpu,
+        DeviceLike as DeviceLike,
+        describe as describe,
+        device as device,
+        devices as devices,
+        restrict_visible as restrict_visible,
+        try_all_gpus as try_all_gpus,
+        try_gpu as try_gpu,
     )
-    from anydevice.streams import side_stream
-    from anydevice.throughput import Peak, Throughput, ThroughputStats
-    from anydevice.timing import Measurement, Timer, timeit
+    from anydevice.streams import (
+        side_stream as side_stream,
+    )
+    from anydevice.throughput import (
+        Peak as Peak,
+        Throughput as Throughput,
+        ThroughputStats as ThroughputStats,
+    )
+    from anydevice.timing import (
+        Measurement as Measurement,
+        Timer as Timer,
+        timeit as timeit,
+    )
 
-__all__ = [
-    "AnydeviceError",
-    "BatchSizeError",
-    "CheckpointError",
-    "DeviceInfo",
-    "DeviceLike",
-    "DeviceLoader",
-    "DeviceMismatchError",
-    "DeviceNotFoundError",
-    "DeviceSpecError",
-    "Distributed",
-    "DistributedError",
-    "DistributedTimeoutError",
-    "ExtensionError",
-    "FlopCount",
-    "HostInfo",
-    "Inventory",
-    "LoaderStats",
-    "Measurement",
-    "MeasurementError",
-    "MemoryStats",
-    "MemoryUsage",
-    "ModuleFlops",
-    "MoveError",
-    "NoTensorError",
-    "Peak",
-    "Precision",
-    "PrecisionError",
-    "ProcessInfo",
-    "StepOrderError",
-    "SyncReport",
-    "Throughput",
-    "ThroughputStats",
-    "Timer",
-    "VisibilityError",
-    "WorkerFailedError",
-    "WorkerImportError",
-    "__version__",
-    "all_gather",
-    "all_reduce",
-    "broadcast",
-    "channels_last",
-    "check_devices",
-    "describe",
-    "device",
-    "device_of",
-    "devices",
-    "devices_of",
-    "diagnose",
-    "distributed",
-    "fast_matmul",
-    "find_syncs",
-    "fit_batch_size",
-    "flops",
-    "free_memory",
-    "gather_for_metrics",
-    "inventory",
-    "launch",
-    "load",
-    "load_extension",
-    "load_state",
-    "memory",
-    "nvtx_range",
-    "precision",
-    "prepare",
-    "profile",
-    "restrict_visible",
-    "save",
-    "save_state",
-    "share",
-    "side_stream",
-    "timeit",
-    "to",
-    "track_memory",
-    "try_all_gpus",
-    "try_gpu",
-    "unwrap",
-    "wait_for_saves",
-]
 
 #: Public name -> the module that defines it, loaded on first use.
 _SOURCES: dict[str, str] = {
@@ -242,6 +219,9 @@ _SOURCES: dict[str, str] = {
     "Timer": "anydevice.timing",
     "timeit": "anydevice.timing",
 }
+
+#: The public API: every lazily loaded name, and the version.
+__all__ = ["__version__", *sorted(_SOURCES)]
 
 
 #: Modules whose names are plain definitions: their first use imports nothing more.

@@ -37,8 +37,7 @@ import torch
 
 from anydevice.errors import CheckpointError
 from anydevice.inventory import format_bytes
-from anydevice.selection import DeviceLike
-from anydevice.selection import device as _select_device
+from anydevice.selection import DeviceLike, device as _select_device
 
 __all__ = ["load", "save"]
 

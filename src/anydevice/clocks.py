@@ -16,8 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from anydevice.backends import KINDS, runtime
-from anydevice.backends import get as get_backend
+from anydevice.backends import KINDS, get as get_backend, runtime
 from anydevice.backends.base import device_module
 from anydevice.selection import DeviceLike
 from anydevice.streams import stream_device
@@ -105,8 +104,7 @@ def device_of_arguments(values: Iterator[object], depth: int = 0) -> torch.devic
 def resolve_device(device: DeviceLike) -> torch.device:
     """A device spec as a ``torch.device`` with its index; a bare ``"cuda"`` is torch's
     current CUDA device once CUDA is in use (where the work goes), as in torch."""
-    from anydevice.selection import device as select_device
-    from anydevice.selection import parse_spec
+    from anydevice.selection import device as select_device, parse_spec
 
     spec = parse_spec(device)
     if spec.index is None:

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from anydevice.inventory import DeviceInfo
-from anydevice.selection import DeviceLike, describe
-from anydevice.selection import device as selection_device
+from anydevice.selection import DeviceLike, describe, device as selection_device
 
 __all__ = ["channels_last", "channels_last_pays"]
 

@@ -73,8 +73,7 @@ from anydevice.backends import runtime
 from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
 from anydevice.resume import sampler_generator, skip_at_sampler
-from anydevice.selection import DeviceLike
-from anydevice.selection import device as resolve_device
+from anydevice.selection import DeviceLike, device as resolve_device
 from anydevice.startmethod import check_loader_workers
 from anydevice.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 

@@ -25,8 +25,7 @@ import torch
 from torch import nn
 
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, MoveError
-from anydevice.selection import DeviceLike
-from anydevice.selection import device as _select_device
+from anydevice.selection import DeviceLike, device as _select_device
 
 __all__ = ["ATOMIC", "MAX_DEPTH", "NonBlocking", "target_device", "to"]
 

@@ -33,8 +33,14 @@ import torch
 
 from anydevice.choice import free_key as _free_key
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
-from anydevice.inventory import ACCELERATOR_KINDS, DeviceInfo, Inventory, format_bytes, inventory
-from anydevice.inventory import parse_size as parse_size  # its home moved; same public name
+from anydevice.inventory import (
+    ACCELERATOR_KINDS,
+    DeviceInfo,
+    Inventory,
+    format_bytes,
+    inventory,
+    parse_size as parse_size,  # its home moved; same public name
+)
 
 __all__ = [
     "DeviceLike",
