@@ -465,3 +465,27 @@ def test_try_gpu_with_a_string_index_is_a_type_error_with_the_fix():
         ad.try_gpu("1")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         ad.try_gpu(True)
+
+
+def test_anydevice_device_is_read_in_one_place():
+    import ast
+    from pathlib import Path
+
+    from anydevice.selection import DEVICE_VARIABLE, device_override
+
+    package = Path(ad.__file__).parent
+    readers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "getenv", "pop")
+                and any(
+                    isinstance(a, ast.Constant) and a.value == DEVICE_VARIABLE for a in node.args
+                )
+            ):
+                readers.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert readers == [], f"read by name, not through selection.device_override: {readers}"
+    assert device_override({DEVICE_VARIABLE: "  cpu "}) == "cpu"
+    assert device_override({DEVICE_VARIABLE: " "}) is None

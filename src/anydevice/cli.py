@@ -544,13 +544,11 @@ def _missing_module(name: str, path: list[str]) -> str | None:
 
 def _bad_device_variable() -> str | None:
     """What is wrong with ``ANYDEVICE_DEVICE`` here, found before any worker starts."""
-    import os
-
-    value = os.environ.get("ANYDEVICE_DEVICE", "").strip()
-    if not value:
-        return None
     from anydevice.errors import AnydeviceError
-    from anydevice.selection import describe
+    from anydevice.selection import describe, device_override
+
+    if device_override() is None:
+        return None
 
     try:
         describe("auto", telemetry=False)  # what ad.device() in each worker would pick

@@ -398,12 +398,23 @@ def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> 
 # ----------------------------------------------------------------------------- public API
 
 
+#: The variable that overrides what ``"auto"`` picks.
+DEVICE_VARIABLE = "ANYDEVICE_DEVICE"
+
+
+def device_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """The spec ``ANYDEVICE_DEVICE`` gives ``"auto"`` (None when unset or blank); the one
+    place it is read."""
+    value = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "").strip()
+    return value or None
+
+
 def _resolve_auto(spec: DeviceLike) -> Spec:
     parsed = parse_spec(spec)
     if parsed.kind == "auto":
-        override = os.environ.get("ANYDEVICE_DEVICE", "").strip()
+        override = device_override()
         if override:
-            parsed = parse_spec(override, source="ANYDEVICE_DEVICE")
+            parsed = parse_spec(override, source=DEVICE_VARIABLE)
     return parsed
 
 

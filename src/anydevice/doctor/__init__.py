@@ -107,15 +107,15 @@ def resolve_devices(
         DeviceSpecError: a malformed spec.
         DeviceNotFoundError: a spec that names no device here; the message lists what is.
     """
-    from anydevice.selection import parse_spec, select
+    from anydevice.selection import DEVICE_VARIABLE, device_override, parse_spec, select
 
     env = os.environ if environ is None else environ
+    override = device_override(env)
     found: dict[str, DeviceInfo] = {}
     for text in specs:
         spec = parse_spec(text)
-        override = env.get("ANYDEVICE_DEVICE", "").strip()
         if spec.kind == "auto" and override:
-            spec = parse_spec(override, source="ANYDEVICE_DEVICE")
+            spec = parse_spec(override, source=DEVICE_VARIABLE)
         d = select(spec, inv, environ=env)
         found.setdefault(d.spec, d)
     return list(found.values())

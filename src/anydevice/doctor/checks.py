@@ -217,14 +217,14 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
     every script that asks for ``"auto"``."""
     from anydevice.errors import AnydeviceError
-    from anydevice.selection import parse_spec, select
+    from anydevice.selection import DEVICE_VARIABLE, device_override, parse_spec, select
 
     title = "ANYDEVICE_DEVICE (the device ad.device() picks)"
-    value = env.get("ANYDEVICE_DEVICE", "").strip()
-    if not value:
+    value = device_override(env)
+    if value is None:
         return Check("device-env", title, "skip", "ANYDEVICE_DEVICE is not set.")
     try:
-        d = select(parse_spec(value, source="ANYDEVICE_DEVICE"), inv, environ=env)
+        d = select(parse_spec(value, source=DEVICE_VARIABLE), inv, environ=env)
     except AnydeviceError as e:
         here = ", ".join(d.spec for d in inv.devices)
         return Check(
