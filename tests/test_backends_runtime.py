@@ -114,7 +114,6 @@ STILL_BRANCHING = {
     "memory.py": 1,
     "memory_history.py": 1,
     "mismatch.py": 1,
-    "placement.py": 1,
     "selection.py": 7,
     "throughput.py": 2,
 }

@@ -13,6 +13,7 @@ import torch
 import anydevice as ad
 from anydevice import clocks
 from anydevice.backends.cpu import _cache_size
+from anydevice.selection import resolve
 
 
 def test_synchronize_the_cpu_or_meta_waits_for_nothing():
@@ -35,10 +36,10 @@ def test_device_of_arguments_looks_into_containers_and_modules():
     assert clocks.device_of_arguments(iter([1, [2, (3,)], {}])) is None
 
 
-def test_resolve_device_checks_the_spec_against_this_machine():
-    assert clocks.resolve_device("cpu") == torch.device("cpu")
+def test_resolve_checks_the_spec_against_this_machine():
+    assert resolve("cpu") == torch.device("cpu")
     with pytest.raises(ad.DeviceNotFoundError, match="cuda:99"):
-        clocks.resolve_device("cuda:99")
+        resolve("cuda:99")
 
 
 def test_cache_size_reads_sysfs_units(tmp_path):

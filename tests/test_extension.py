@@ -280,6 +280,12 @@ def test_build_key_follows_sources_flags_and_compiler(tmp_path: Path):
     assert _key([a], [], None, other) != base
     a.write_text("int y;\n")
     assert _key([a], [], None, compiler) != base
+    # The same source in another checkout: torch's build.ninja names each source by its
+    # path, so a shared build folder would be rebuilt at every switch between the two.
+    copy = tmp_path / "other" / "a.cpp"
+    copy.parent.mkdir()
+    copy.write_text(a.read_text())
+    assert _key([copy], [], None, compiler) != _key([a], [], None, compiler)
 
 
 def test_arch_flags_cover_each_gpu_once_with_ptx_for_the_newest():

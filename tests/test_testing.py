@@ -22,6 +22,9 @@ from anydevice.extension import find_compiler, find_ninja
 CASES = Path(__file__).with_name("sim_cases.py")
 #: The first run builds the backend (about a minute on two busy cores); later runs load it.
 TIMEOUT = 600
+# A fresh checkout builds the simulator first (a minute or two on two busy cores), and a
+# test in another worker waits for that build: each test is bounded by TIMEOUT instead.
+pytestmark = pytest.mark.timeout(TIMEOUT + 30)
 
 
 def _child(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:

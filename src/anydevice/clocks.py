@@ -17,8 +17,6 @@ from typing import Any, Protocol
 import torch
 
 from anydevice.backends import KINDS, get as get_backend, runtime
-from anydevice.backends.base import device_module
-from anydevice.selection import DeviceLike
 from anydevice.streams import stream_device
 
 __all__ = [
@@ -29,7 +27,6 @@ __all__ = [
     "flush_bytes",
     "flusher",
     "in_use",
-    "resolve_device",
     "synchronize",
     "times_events",
 ]
@@ -99,22 +96,6 @@ def device_of_arguments(values: Iterator[object], depth: int = 0) -> torch.devic
             if found is not None:
                 return found
     return None
-
-
-def resolve_device(device: DeviceLike) -> torch.device:
-    """A device spec as a ``torch.device`` with its index; a bare ``"cuda"`` is torch's
-    current CUDA device once CUDA is in use (where the work goes), as in torch."""
-    from anydevice.selection import device as select_device, parse_spec
-
-    spec = parse_spec(device)
-    if spec.index is None:
-        module = device_module(spec.kind)
-        initialized = getattr(module, "is_initialized", None)
-        if initialized is not None and initialized():
-            index = module.current_device()  # type: ignore[union-attr]
-            if isinstance(index, int):  # torch.cpu's is the string "cpu"
-                return torch.device(spec.kind, index)
-    return select_device(device)
 
 
 class _Clock(Protocol):

@@ -356,7 +356,12 @@ def _key(
     compiler: Tool,
 ) -> str:
     """A hash of everything the built library depends on, apart from included headers
-    (ninja tracks those itself inside one build folder)."""
+    (ninja tracks those itself inside one build folder).
+
+    The sources' full paths count, not their names alone: torch's ``build.ninja`` compiles
+    each source by its path, so two checkouts of one project sharing a folder made ninja
+    rebuild at every switch between them, minutes each, with every other process waiting.
+    """
     h = hashlib.sha256()
     parts: list[str] = [
         _KEY_VERSION,
@@ -376,7 +381,7 @@ def _key(
     for p in parts:
         h.update(p.encode() + b"\0")
     for src in sources:
-        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+        h.update(str(src.resolve()).encode() + b"\0" + src.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -73,7 +73,7 @@ from anydevice.backends import runtime
 from anydevice.copies import Copier, copier_for
 from anydevice.placement import to
 from anydevice.resume import sampler_generator, skip_at_sampler
-from anydevice.selection import DeviceLike, device as resolve_device
+from anydevice.selection import DeviceLike, resolve
 from anydevice.startmethod import check_loader_workers
 from anydevice.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 
@@ -249,7 +249,7 @@ class DeviceLoader(Generic[T]):
             raise ValueError(f"depth must be at least 1, got {depth}")
         check_loader_workers(loader)  # a notebook's dataset under spawned workers: say so now
         self.loader = loader
-        self.device = resolve_device(device)
+        self.device = resolve(device)
         self.transform = transform
         if prefetch not in (True, False, "auto"):
             raise ValueError(f"prefetch must be True, False or 'auto', not {prefetch!r}")

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from anydevice.backends import runtime
-from anydevice.clocks import active_device, resolve_device, synchronize
+from anydevice.clocks import active_device, synchronize
 from anydevice.errors import MeasurementError
 from anydevice.inventory import format_bytes
 from anydevice.memory_history import History
@@ -50,7 +50,7 @@ from anydevice.memory_readings import (
     system_memory,
 )
 from anydevice.pinned import read_pinned, release_pinned
-from anydevice.selection import DeviceLike
+from anydevice.selection import DeviceLike, resolve
 
 __all__ = [
     "MemoryStats",
@@ -72,7 +72,7 @@ def _is_host(device: torch.device) -> bool:
 
 
 def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
-    dev = active_device() if device is None else resolve_device(device)
+    dev = active_device() if device is None else resolve(device)
     if dev.type == "meta":
         raise ValueError("the meta device holds no data, so it has no memory to read")
     return dev

@@ -27,9 +27,8 @@ from typing import TypeVar
 import torch
 
 from anydevice.backends.torch_private import record_memory_history, snapshot_memory, trace_plot
-from anydevice.clocks import resolve_device
 from anydevice.errors import MeasurementError
-from anydevice.selection import DeviceLike
+from anydevice.selection import DeviceLike, resolve
 
 __all__ = ["MAX_ENTRIES", "History", "OomSnapshot", "check_history", "html_path", "oom_snapshot"]
 
@@ -130,5 +129,5 @@ def oom_snapshot(device: DeviceLike | None, path: PathLike) -> OomSnapshot:
     """An :class:`OomSnapshot` for ``device`` (None: the device ``ad.device()`` picks)."""
     from anydevice.selection import device as select_device
 
-    dev = select_device("auto") if device is None else resolve_device(device)
+    dev = select_device("auto") if device is None else resolve(device)
     return OomSnapshot(dev, path)

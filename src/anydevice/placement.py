@@ -24,8 +24,8 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from anydevice.errors import DeviceNotFoundError, DeviceSpecError, MoveError
-from anydevice.selection import DeviceLike, device as _select_device
+from anydevice.errors import MoveError
+from anydevice.selection import DeviceLike, resolve
 
 __all__ = ["ATOMIC", "MAX_DEPTH", "NonBlocking", "target_device", "to"]
 
@@ -65,7 +65,6 @@ class _AsyncTargets(dict[str, bool]):
 
 
 _ASYNC_TARGETS = _AsyncTargets()
-_NO_INDEX = frozenset({"cpu", "meta"})
 _EMPTY: frozenset[Any] = frozenset()
 _NONE = object()
 _TOO_DEEP = -1  #: _Failure.target for a structure nested deeper than MAX_DEPTH
@@ -74,56 +73,8 @@ _TOO_DEEP = -1  #: _Failure.target for a structure nested deeper than MAX_DEPTH
 # ----------------------------------------------------------------------------- the device
 
 
-def target_device(spec: DeviceLike) -> torch.device:
-    """The ``torch.device`` that :func:`to` moves to, with its index filled in.
-
-    A ``torch.device`` passes straight through (``cuda`` without an index becomes the
-    current CUDA device, so that comparing it with a tensor's device works); anything else
-    goes through :func:`anydevice.device`, which checks it against this machine.
-
-    >>> target_device("cpu")
-    device(type='cpu')
-    >>> target_device(torch.device("meta"))
-    device(type='meta')
-    """
-    if type(spec) is torch.device:
-        if spec.type in _NO_INDEX:
-            return spec
-        if spec not in _CHECKED:
-            _check_device(spec)
-        if spec.index is not None:
-            return spec
-        return _with_current_index(spec)
-    return _select_device(spec)
-
-
-#: ``torch.device`` objects already checked against this machine (devices do not vanish
-#: from a process, so a check that passed once holds; one that failed is made again).
-_CHECKED: set[torch.device] = set()
-
-
-def _check_device(dev: torch.device) -> None:
-    """Refuse a ``torch.device`` this machine lacks as the same spec string would be
-    refused (``DeviceNotFoundError``), instead of torch's raw error at the first copy
-    (an ``AssertionError`` for CUDA on a CPU-only build). A type anydevice does not know
-    is left for torch to judge."""
-    try:
-        _select_device(dev)
-    except DeviceNotFoundError:
-        raise
-    except DeviceSpecError:
-        pass  # a type torch knows and anydevice does not: torch decides at the copy
-    _CHECKED.add(dev)
-
-
-def _with_current_index(dev: torch.device) -> torch.device:
-    if dev.type == "mps":
-        return torch.device("mps", 0)  # tensors on MPS report mps:0
-    module = getattr(torch, dev.type, None)
-    current = getattr(module, "current_device", None)
-    if current is None:
-        return dev
-    return torch.device(dev.type, current())
+#: The device ``to`` moves to: :func:`anydevice.selection.resolve`, the one resolver.
+target_device = resolve
 
 
 # ----------------------------------------------------------------------------- to()

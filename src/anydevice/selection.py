@@ -51,6 +51,7 @@ __all__ = [
     "devices",
     "parse_size",
     "parse_spec",
+    "resolve",
     "restrict_visible",
     "select",
     "select_all",
@@ -398,6 +399,12 @@ def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> 
 # ----------------------------------------------------------------------------- public API
 
 
+#: Device types that take no index.
+_NO_INDEX = frozenset({"cpu", "meta"})
+
+#: Device types that take no index.
+_NO_INDEX = frozenset({"cpu", "meta"})
+
 #: The variable that overrides what ``"auto"`` picks.
 DEVICE_VARIABLE = "ANYDEVICE_DEVICE"
 
@@ -475,6 +482,64 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
     # Free memory is read only for the policies that compare it.
     inv = _inventory_for(parsed, memory=need is not None or parsed.kind == "free")
     return select(parsed, inv, need_memory=need, current=current_indices()).torch_device
+
+
+def resolve(spec: DeviceLike) -> torch.device:
+    """The ``torch.device`` a spec means here, with its index filled in: the one function
+    every part of anydevice resolves a device with (``ad.to``, ``DeviceLoader``, the
+    timers, the memory readers).
+
+    A ``torch.device`` passes straight through (``cuda`` without an index becomes the
+    current CUDA device, so that comparing it with a tensor's device works); anything else
+    goes through :func:`device`, which checks it against this machine (a bare ``"cuda"``
+    is torch's current CUDA device once CUDA is in use, as in torch).
+
+    >>> resolve("cpu")
+    device(type='cpu')
+    >>> resolve(torch.device("meta"))
+    device(type='meta')
+    """
+    if type(spec) is torch.device:
+        if spec.type in _NO_INDEX:
+            return spec
+        if spec not in _CHECKED:
+            _check_device(spec)
+        if spec.index is not None:
+            return spec
+        return _with_current_index(spec)
+    return device(spec)
+
+
+#: ``torch.device`` objects already checked against this machine (devices do not vanish
+#: from a process, so a check that passed once holds; one that failed is made again).
+_CHECKED: set[torch.device] = set()
+
+
+def _check_device(dev: torch.device) -> None:
+    """Refuse a ``torch.device`` this machine lacks as the same spec string would be
+    refused (``DeviceNotFoundError``), instead of torch's raw error at the first copy
+    (an ``AssertionError`` for CUDA on a CPU-only build). A type anydevice does not know
+    is left for torch to judge."""
+    try:
+        device(dev)
+    except DeviceNotFoundError:
+        raise
+    except DeviceSpecError:
+        pass  # a type torch knows and anydevice does not: torch decides at the copy
+    _CHECKED.add(dev)
+
+
+def _with_current_index(dev: torch.device) -> torch.device:
+    """``dev`` with the current device's index, as tensors made there report it (MPS's one
+    device is ``mps:0``); unchanged for a type with no current device."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and accelerator.type == dev.type:
+        return torch.device(dev.type, torch.accelerator.current_device_index())
+    from anydevice.backends.base import device_module
+
+    current = getattr(device_module(dev.type), "current_device", None)
+    index = None if current is None else current()
+    return torch.device(dev.type, index) if isinstance(index, int) else dev
 
 
 def describe(spec: DeviceLike = "auto", *, telemetry: bool = True) -> DeviceInfo:

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anydevice.backends import runtime
-from anydevice.clocks import active_device, resolve_device
+from anydevice.clocks import active_device
 from anydevice.errors import MeasurementError
 from anydevice.matmul import MathSettings, strict_fp32
-from anydevice.selection import DeviceLike
+from anydevice.selection import DeviceLike, resolve
 
 if TYPE_CHECKING:
     from anydevice.flops import FlopCount
@@ -127,7 +127,7 @@ def dtype_name(dtype: torch.dtype, device: DeviceLike = "cpu", *, tf32: bool = F
     >>> dtype_name(torch.bfloat16), dtype_name(torch.float32, "cpu", tf32=True)
     ('bf16', 'fp32')
     """
-    kind = resolve_device(device).type if not isinstance(device, torch.device) else device.type
+    kind = resolve(device).type if not isinstance(device, torch.device) else device.type
     if dtype == torch.float32:
         return "tf32" if tf32 and runtime(kind).tf32 else "fp32"
     if dtype.is_floating_point and dtype.itemsize == 1:
@@ -150,7 +150,7 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
     Returns:
         A :class:`Peak`, or None when no peak is known for this dtype here.
     """
-    dev = active_device() if device is None else resolve_device(device)
+    dev = active_device() if device is None else resolve(device)
     if dev.type == "meta":
         return None
     backend = runtime(dev.type)
@@ -412,7 +412,7 @@ class Throughput:
                 f"dtype={dtype!r} is not a dtype name the peaks know: use one of "
                 f"{', '.join(map(repr, _DTYPE_NAMES))}, or None to take it from the step."
             )
-        self._device = None if device is None else resolve_device(device)
+        self._device = None if device is None else resolve(device)
         self.flops_per_step = flops_per_step
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step

@@ -30,11 +30,10 @@ from anydevice.clocks import (
     clock_name,
     device_of_arguments,
     flusher,
-    resolve_device,
     synchronize,
 )
 from anydevice.errors import MeasurementError
-from anydevice.selection import DeviceLike
+from anydevice.selection import DeviceLike, resolve
 
 if TYPE_CHECKING:
     from anydevice.flops import FlopCount
@@ -472,7 +471,7 @@ def timeit(
         counted = flops
     for _ in range(warmup - 1 if flops is True and warmup else warmup):
         call()
-    dev = resolve_device(device) if device is not None else found or active_device()
+    dev = resolve(device) if device is not None else found or active_device()
     synchronize(dev)  # the warm-up's queued work ends before anything is timed
     timer = clock_for(dev, clock)
     flush = flusher(dev) if flush_l2 else None
@@ -608,7 +607,7 @@ class Timer:
         clock: Callable[[], float] | None = None,
         label: str = "",
     ) -> None:
-        self._device = None if device is None else resolve_device(device)
+        self._device = None if device is None else resolve(device)
         self._now = clock or time.perf_counter
         self._clock_name = "perf_counter" if clock is None else clock_name(clock)
         self.label = label
