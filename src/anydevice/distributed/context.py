@@ -440,7 +440,11 @@ def _record_for_launcher(e: Exception) -> None:
 
 def _teardown() -> None:
     # Free what still holds the group (a dropped DDP model, its reducer, pending work)
-    # while the group is alive, then destroy it.
+    # while the group is alive, then destroy it. A background save_state still writing
+    # needs the groups: it is waited for first (its error logged).
+    from anydevice.distributed.state import finish_for_teardown
+
+    finish_for_teardown()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
