@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +244,32 @@ def test_an_error_in_the_background_write_on_two_ranks_surfaces(tmp_path):
         assert result["done"] == ["step-000000001"], result  # nothing partial, nothing lost
         log = (logs / f"log{r}").read_text()
         assert "background save_state failed" in log and "step-000000004" in log, log
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_ddp_example_saves_in_the_background_and_a_second_run_resumes_mid_epoch(tmp_path):
+    def run(*argv: str) -> str:
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--spawn", "2", "--checkpoints", str(tmp_path / "c"),
+             "--save-every", "7", *argv],
+            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    first = run("--epochs", "1")  # 32 steps: saved at 7, 14, 21 and 28
+    assert "resumed" not in first
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "step-000000021", "step-000000028",
+    ]  # fmt: skip
+    second = run("--epochs", "2")
+    # 28 steps of 2 micro-batches done; the epoch's 63 batches per rank leave 7
+    assert "resumed at step 28, epoch 0 (7 batches left)" in second, second
+    assert "epoch 0: loss" in second and "epoch 1: loss" in second
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "step-000000056", "step-000000063",
+    ]  # fmt: skip
