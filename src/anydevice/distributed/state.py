@@ -180,7 +180,8 @@ def _forget_in_child() -> None:
     _pool, _inflight, _group = None, None, None
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):  # POSIX: where a process can fork
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _at_exit() -> None:
