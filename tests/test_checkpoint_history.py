@@ -5,15 +5,21 @@ leaving the previous checkpoint loadable."""
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import resource
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import anydevice as ad
+from ranks import process_tree_guard, run_ranks
 
 
 def _net(value: float) -> torch.nn.Linear:
@@ -100,3 +106,170 @@ def test_sigkill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pa
     assert not (folder / "step-000000002").exists(), "the write finished before the kill"
     net = torch.nn.Linear(2, 1)
     assert ad.load_state(latest_in=folder, model=net) == {"step": 1}
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def _ddp(value: float, width: int = 4) -> torch.nn.Module:
+    net = torch.nn.Linear(width, width)
+    with torch.no_grad():
+        net.weight.fill_(value)
+        net.bias.fill_(value)
+    return net
+
+
+def _saves_in_the_background(folder):
+    """Three background saves of a DDP model (keep=2), each followed at once by a change
+    of the weights; the last one left in flight for ``ad.distributed``'s exit to finish."""
+
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=60):
+            net = ad.prepare(_ddp(0.0), strategy="ddp")
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p.fill_(float(step))
+                ad.save_state(folder, model=net, optimizer=opt, keep=2, step=step,
+                              background=True)  # fmt: skip
+                with torch.no_grad():  # the loop goes on while it writes
+                    for p in net.parameters():
+                        p.fill_(-1.0)
+            # no wait_for_saves: the end of ad.distributed waits for step 3
+        done = sorted(p.name for p in folder.iterdir())
+        fresh = _ddp(0.0)
+        extra = ad.load_state(latest_in=folder, model=fresh)
+        return {"done": done, "extra": extra, "weight": fresh.weight.detach().tolist()}
+
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_background_save_on_two_ranks_loads_back_equal_and_keeps_the_newest(tmp_path):
+    folder = tmp_path / "ckpts"
+    # this process saved in the background first: the ranks forked from it inherit its
+    # save thread's pool, but not the thread
+    ad.save_state(tmp_path / "one.pt", model=_net(1.0), background=True)
+    ad.wait_for_saves()
+    with process_tree_guard():
+        results = run_ranks(_saves_in_the_background(folder), 2, tmp_path, timeout=180)
+    for r in results:
+        assert r["done"] == ["step-000000002", "step-000000003"]
+        assert r["extra"] == {"step": 3}
+        assert r["weight"] == [[3.0] * 4] * 4  # staged before the loop changed it
+    net = _ddp(0.0)  # and on a world of one, DCP resharding it
+    assert ad.load_state(folder / "step-000000002", model=net) == {"step": 2}
+    assert float(net.bias.detach()[0]) == 2.0
+
+
+def _killed_while_writing(folder):
+    """Rank 1 SIGKILLs itself while DCP writes its shard of step 2 in the background;
+    rank 0 reports what its wait for that save raised."""
+
+    def rank(init_method: str) -> dict:
+        with ad.distributed(init_method=init_method, timeout=20) as d:
+            ad.save_state(folder, model=_ddp(1.0), keep=3, step=1)
+            big = _ddp(2.0, width=3000)  # ~36 MB per rank: a write that takes a while
+            ad.save_state(folder, model=big, keep=3, step=2, background=True)
+            if d.rank == 1:
+                deadline = time.monotonic() + 60
+                while not list(folder.glob(".step-000000002.*/__1_0.distcp")):
+                    assert time.monotonic() < deadline, "the shard was never written"
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                ad.wait_for_saves()
+            except ad.CheckpointError as e:
+                return {"error": str(e)}
+            return {"error": None}
+
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkill_of_a_rank_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
+    folder = tmp_path / "ckpts"
+    with process_tree_guard(), pytest.raises(AssertionError, match="rank 1 died"):
+        run_ranks(_killed_while_writing(folder), 2, tmp_path, timeout=180)
+    status, survivor = pickle.loads((tmp_path / "rank0.pickle").read_bytes())
+    assert status == "ok", survivor
+    assert survivor["error"] is not None and "step-000000002" in survivor["error"], survivor
+    assert not (folder / "step-000000002").exists()
+    net = _ddp(0.0)
+    assert ad.load_state(latest_in=folder, model=net) == {"step": 1}
+    assert float(net.weight.detach()[0, 0]) == 1.0
+
+
+def _fails_to_write(folder, logs):
+    """After step 1, no rank may write a file over 64 KiB (a real EFBIG from the kernel):
+    the shards fail in DCP's background thread, twice."""
+
+    def rank(init_method: str) -> dict:
+        out: dict = {}
+        handler = logging.FileHandler(logs / f"log{os.environ['RANK']}")
+        logging.getLogger("anydevice").addHandler(handler)
+        with ad.distributed(init_method=init_method, timeout=60):
+            net = _ddp(1.0, width=300)  # ~360 KB
+            ad.save_state(folder, model=net, keep=2, step=1)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+            ad.save_state(folder, model=net, keep=2, step=2, background=True)
+            try:
+                ad.save_state(folder, model=net, keep=2, step=3)  # waits for step 2 first
+            except ad.CheckpointError as e:
+                out["next save"] = str(e)
+            ad.save_state(folder, model=net, keep=2, step=4, background=True)
+            # left in flight: the end of ad.distributed waits for it and logs its error
+        handler.close()
+        out["done"] = sorted(p.name for p in folder.iterdir())
+        return out
+
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_error_in_the_background_write_on_two_ranks_surfaces(tmp_path):
+    folder, logs = tmp_path / "ckpts", tmp_path / "logs"
+    logs.mkdir()
+    with process_tree_guard():
+        results = run_ranks(_fails_to_write(folder, logs), 2, tmp_path, timeout=180)
+    for r, result in enumerate(results):
+        # both ranks raise it at the next call, before that call writes anything
+        assert "could not write their part" in result["next save"], result
+        assert "step-000000002" in result["next save"]
+        assert result["done"] == ["step-000000001"], result  # nothing partial, nothing lost
+        log = (logs / f"log{r}").read_text()
+        assert "background save_state failed" in log and "step-000000004" in log, log
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_ddp_example_saves_in_the_background_and_a_second_run_resumes_mid_epoch(tmp_path):
+    def run(*argv: str) -> str:
+        out = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--spawn", "2", "--checkpoints", str(tmp_path / "c"),
+             "--save-every", "7", *argv],
+            capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    first = run("--epochs", "1")  # 32 steps: saved at 7, 14, 21 and 28
+    assert "resumed" not in first
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "step-000000021", "step-000000028",
+    ]  # fmt: skip
+    second = run("--epochs", "2")
+    # 28 steps of 2 micro-batches done; the epoch's 63 batches per rank leave 7
+    assert "resumed at step 28, epoch 0 (7 batches left)" in second, second
+    assert "epoch 0: loss" in second and "epoch 1: loss" in second
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [
+        "step-000000056", "step-000000063",
+    ]  # fmt: skip

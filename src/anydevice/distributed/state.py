@@ -98,11 +98,15 @@ def save_state(
             ``keep`` are removed once it is whole; ``load_state(latest_in=path)`` resumes
             the newest complete one.
         background: return as soon as the state is copied to host memory and write it in
-            a background thread, so the step goes on meanwhile (a world of one). At most
-            one save is in flight: the next ``save_state`` first waits for it. Its error,
-            if any, is raised by that next call or by :func:`wait_for_saves` (and logged
-            at exit, where nobody waited). The write is atomic as ever: a process killed
-            meanwhile leaves the previous checkpoint.
+            a background thread, so the step goes on meanwhile. With several ranks the
+            shards go through DCP's ``async_save`` over a gloo group of its own (made
+            once, on the first such call, by every rank), so its collectives never meet
+            the loop's; the ranks then agree that all wrote and rank 0 renames the folder
+            into place. At most one save is in flight per process: the next
+            ``save_state`` first waits for it. Its error, if any, is raised by that next
+            call, by :func:`wait_for_saves` or by :func:`load_state` (and logged at the
+            end of ``ad.distributed`` and at exit, where nobody waited). The write is
+            atomic as ever: a process killed meanwhile leaves the previous checkpoint.
         extra: anything else to restore, per rank: the step, epoch, ``scheduler.state_dict()``,
             ``torch.get_rng_state()``, ... — tensors, numbers, strings and containers of
             them (what ``torch.load(weights_only=True)`` reads back).
@@ -117,12 +121,6 @@ def save_state(
 
     wait_for_saves()  # the one in flight first: its error surfaces here
     rank, size = _world()
-    if background and size > 1:
-        raise ValueError(
-            "ad.save_state(..., background=True) writes in the background in a world of one; "
-            f"this world has {size} ranks. Save without background= there (every rank "
-            "writes its own shards, so a save takes 1/world of the time)."
-        )
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be a whole number of checkpoints >= 1, not {keep!r}")
     folder = Path(os.fspath(path))
@@ -142,11 +140,11 @@ def save_state(
         staged = _to_host(state)  # the step may change the tensors from here on
         _inflight = _writer().submit(_save_one, staged, target, folder if keep else None, keep)
         return target
-    _save_sharded(target, rank, size, model_state, optim_state, extra, precision_state)
-    if keep is not None and rank == 0:
-        history.prune(folder, keep)
-    if keep is not None and size > 1:
-        dist.barrier()  # no rank reads the folder while rank 0 prunes it
+    side = {f"extra.rank{rank}.pt": extra}
+    if precision_state is not None:
+        side[f"precision.rank{rank}.pt"] = precision_state
+    pruned = folder if keep is not None else None
+    _save_sharded(target, rank, size, model_state, optim_state, side, pruned, keep, background)
     return target
 
 
@@ -172,6 +170,18 @@ def _writer() -> ThreadPoolExecutor:
         _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="anydevice-save")
         atexit.register(_at_exit)
     return _pool
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: a pool it inherited would count
+    a thread that is not there and never run what is submitted to it, and the save in
+    flight is the parent's to finish."""
+    global _pool, _inflight, _group
+    _pool, _inflight, _group = None, None, None
+
+
+if hasattr(os, "register_at_fork"):  # POSIX: where a process can fork
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _at_exit() -> None:
@@ -381,9 +391,16 @@ def _save_sharded(
     size: int,
     model_state: dict[str, Any],
     optim_state: Any,
-    extra: dict[str, Any],
-    precision_state: dict[str, Any] | None = None,
-) -> Path:
+    side: dict[str, Any],
+    folder: Path | None = None,
+    keep: int | None = None,
+    background: bool = False,
+) -> None:
+    """Write the DCP folder under a temporary name, then rename it into place once every
+    rank has written its part (and prune ``folder`` to ``keep``). With ``background``,
+    DCP copies the state to host memory here and writes it in its own thread; the check
+    that every rank wrote, the rename and the pruning follow in the save thread, their
+    collectives on the background group (:func:`_background_group`)."""
     from torch.distributed.checkpoint import state_dict_saver as dcp
 
     tmp_name: list[str | None] = [None]
@@ -409,25 +426,73 @@ def _save_sharded(
     state: dict[str, Any] = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
+    group = _background_group() if background else None
     failed: BaseException | None = None
+    written: Future[Any] | None = None
     try:
-        dcp.save(state, checkpoint_id=str(tmp))
-        checkpoint.save(extra, tmp / f"extra.rank{rank}.pt")
-        if precision_state is not None:
-            checkpoint.save(precision_state, tmp / f"precision.rank{rank}.pt")
+        # DCP first, on every rank: its collectives must not wait for a rank whose own
+        # files failed to write.
+        if background:
+            written = _async_save(dcp, state, str(tmp), group)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+        for name, obj in side.items():
+            checkpoint.save(obj, tmp / name)
         if rank == 0:
             manifest = {"format": _FORMAT, "world_size": size, "optimizer": "optimizer" in state}
             (tmp / _MANIFEST).write_text(json.dumps(manifest))
     except Exception as e:
         failed = e
-    # Every rank says whether it wrote its part; rank 0 renames only if all did.
+
+    def finish() -> None:
+        error = failed
+        if written is not None:  # on every rank: DCP's own collectives end first
+            try:
+                written.result()
+            except BaseException as e:  # DCP's CheckpointException is not an Exception
+                error = error or e
+        try:
+            _agree_and_rename(target, tmp, rank, size, error, group)
+            if folder is not None and keep is not None and rank == 0:
+                history.prune(folder, keep)
+            dist.barrier(group=group)  # no rank reads the folder while rank 0 prunes it
+        except CheckpointError:
+            raise
+        except BaseException as e:  # a collective failed: a peer died or timed out
+            raise CheckpointError(
+                f"ad.save_state({str(target)!r}): the ranks could not agree that every "
+                f"part was written ({type(e).__name__}: {str(e).strip()[:300]}); the "
+                "previous checkpoint is kept.",
+                path=str(target),
+            ) from (error or e)
+
+    if background:
+        global _inflight
+        _inflight = _writer().submit(finish)
+    else:
+        finish()
+
+
+def _async_save(dcp: Any, state: dict[str, Any], tmp: str, group: Any) -> Future[Any]:
+    """DCP's ``async_save``: the state copied to host memory now, written in DCP's thread."""
+    written = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
+    upload = getattr(written, "upload_completion", written)  # a response, in some modes
+    assert isinstance(upload, Future)
+    return upload
+
+
+def _agree_and_rename(
+    target: Path, tmp: Path, rank: int, size: int, failed: BaseException | None, group: Any
+) -> None:
+    """Every rank says whether it wrote its part; rank 0 renames only if all did."""
     oks: list[Any] = [None] * size
-    dist.all_gather_object(oks, None if failed is None else f"{type(failed).__name__}: {failed}")
+    problem = None if failed is None else f"{type(failed).__name__}: {failed}"
+    dist.all_gather_object(oks, problem, group=group)
     problems = {r: p for r, p in enumerate(oks) if p is not None}
     if problems:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=group)
         first = min(problems)
         raise CheckpointError(
             f"ad.save_state({str(target)!r}): rank(s) {sorted(problems)} could not write "
@@ -436,8 +501,39 @@ def _save_sharded(
         ) from failed
     if rank == 0:
         _replace(tmp, target)
-    dist.barrier()
-    return target
+
+
+#: (the default group, the gloo group of background saves made for it)
+_group: tuple[Any, Any] | None = None
+
+
+def _background_group() -> Any:
+    """The gloo group background saves run their collectives on, one per default group
+    (made by every rank on the first background save). Their collectives run in another
+    thread than the loop's, and two threads' collectives on one group could pair up
+    differently on each rank."""
+    global _group
+    world = dist.group.WORLD
+    if _group is None or _group[0] is not world:
+        _group = (world, dist.new_group(backend="gloo", timeout=_timeout(world)))
+    return _group[1]
+
+
+def _timeout(group: Any) -> Any:
+    """The collectives' timeout of ``group`` (the one ``ad.distributed(timeout=)`` set),
+    or None for torch's default."""
+    with contextlib.suppress(Exception):  # backends without options: torch's default
+        return group._get_backend(torch.device("cpu")).options._timeout
+    return None
+
+
+def finish_for_teardown() -> None:
+    """Before a process group is destroyed: wait for the background save in flight (it
+    needs the group) and log its error, which nobody is left to raise to; forget the
+    background group."""
+    global _group
+    _at_exit()
+    _group = None
 
 
 def _replace(tmp: Path, target: Path) -> None:
