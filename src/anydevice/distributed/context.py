@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -453,10 +453,6 @@ def _record_for_launcher(e: Exception) -> None:
         record(e)
 
 
-#: The process groups the last ``ad.distributed`` block destroyed (see :func:`_teardown`).
-_retired: list[Any] = []
-
-
 def _teardown() -> None:
     # Free what still holds the group (a dropped DDP model, its reducer, pending work)
     # while the group is alive, then destroy it. A background save_state still writing
@@ -466,19 +462,4 @@ def _teardown() -> None:
     finish_for_teardown()
     gc.collect()
     if dist.is_initialized():
-        # A model the program still holds (DDP's reducer) keeps the groups after this. Were
-        # it their last holder, dropping it later would run gloo's destructor on the main
-        # thread with the GIL held, joining a worker thread that may still wait for the GIL
-        # to free the last collective's Python buffers: the rank hangs as it exits. Held
-        # here, a group is freed from Python (torch lets go of the GIL for that), at the
-        # next teardown or at exit.
-        _retired[:] = _groups()
         dist.destroy_process_group()
-
-
-def _groups() -> list[Any]:
-    """Every process group of this process (the default one and those made from it)."""
-    try:
-        return list(dist.distributed_c10d._world.pg_map)
-    except AttributeError:  # another torch's layout: the default group at least
-        return [dist.group.WORLD]
