@@ -174,3 +174,14 @@ def cuda_indices(
         )
     order = [r.uuid for r in every.devices]
     return [order.index(str(d.uuid)) for d in picked]
+
+
+#: The variable that overrides what ``"auto"`` picks.
+DEVICE_VARIABLE = "ANYDEVICE_DEVICE"
+
+
+def device_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """The spec ``ANYDEVICE_DEVICE`` gives ``"auto"`` (None when unset or blank); the one
+    place it is read."""
+    value = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "").strip()
+    return value or None

@@ -544,11 +544,12 @@ def _missing_module(name: str, path: list[str]) -> str | None:
 
 def _bad_device_variable() -> str | None:
     """What is wrong with ``ANYDEVICE_DEVICE`` here, found before any worker starts."""
-    from anydevice.errors import AnydeviceError
-    from anydevice.selection import describe, device_override
+    from anydevice.choice import device_override  # torch-free: torch is not imported yet
 
     if device_override() is None:
         return None
+    from anydevice.errors import AnydeviceError
+    from anydevice.selection import describe
 
     try:
         describe("auto", telemetry=False)  # what ad.device() in each worker would pick

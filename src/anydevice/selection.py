@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from anydevice.choice import free_key as _free_key
+from anydevice.choice import DEVICE_VARIABLE, device_override, free_key as _free_key
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
 from anydevice.inventory import (
     ACCELERATOR_KINDS,
@@ -404,16 +404,6 @@ _NO_INDEX = frozenset({"cpu", "meta"})
 
 #: Device types that take no index.
 _NO_INDEX = frozenset({"cpu", "meta"})
-
-#: The variable that overrides what ``"auto"`` picks.
-DEVICE_VARIABLE = "ANYDEVICE_DEVICE"
-
-
-def device_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """The spec ``ANYDEVICE_DEVICE`` gives ``"auto"`` (None when unset or blank); the one
-    place it is read."""
-    value = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "").strip()
-    return value or None
 
 
 def _resolve_auto(spec: DeviceLike) -> Spec:

@@ -107,7 +107,8 @@ def resolve_devices(
         DeviceSpecError: a malformed spec.
         DeviceNotFoundError: a spec that names no device here; the message lists what is.
     """
-    from anydevice.selection import DEVICE_VARIABLE, device_override, parse_spec, select
+    from anydevice.choice import DEVICE_VARIABLE, device_override
+    from anydevice.selection import parse_spec, select
 
     env = os.environ if environ is None else environ
     override = device_override(env)

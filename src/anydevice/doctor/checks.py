@@ -216,8 +216,9 @@ def check_nvml(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
     every script that asks for ``"auto"``."""
+    from anydevice.choice import DEVICE_VARIABLE, device_override
     from anydevice.errors import AnydeviceError
-    from anydevice.selection import DEVICE_VARIABLE, device_override, parse_spec, select
+    from anydevice.selection import parse_spec, select
 
     title = "ANYDEVICE_DEVICE (the device ad.device() picks)"
     value = device_override(env)
