@@ -59,8 +59,8 @@ step looking 120 "$py" - > "$out/looking.json" 2> "$out/looking.err" <<'PY' || s
 import contextlib, io, json, sys
 import torch
 import anydevice as ad
-from anydevice import cli
-from anydevice.backends.cuda import driver_initialized
+from anydevice.cli import commands as cli
+from anydevice.hardware.backends.cuda import driver_initialized
 
 def state():
     return {"torch": torch.cuda.is_initialized(), "driver": driver_initialized()}

@@ -42,8 +42,8 @@ WORLDS = frozenset(
 
 @functools.cache
 def cuda_gpu_present() -> bool:
-    from anydevice.backends.cuda import cuda_built
-    from anydevice.inventory import inventory
+    from anydevice.hardware.backends.cuda import cuda_built
+    from anydevice.hardware.inventory import inventory
 
     if not cuda_built():
         return False
@@ -52,11 +52,11 @@ def cuda_gpu_present() -> bool:
 
 @functools.cache
 def xla_device_present() -> bool:
-    from anydevice.backends.xla import installed
+    from anydevice.hardware.backends.xla import installed
 
     if not installed():
         return False
-    from anydevice.inventory import inventory
+    from anydevice.hardware.inventory import inventory
 
     return bool(inventory(telemetry=False, kinds=("xla", "cpu")).of_kind("xla"))
 

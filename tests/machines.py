@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from anydevice.backends.nvml import GpuRecord
-from anydevice.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo
+from anydevice.hardware.backends.nvml import GpuRecord
+from anydevice.hardware.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo
 
 GiB = 2**30
 

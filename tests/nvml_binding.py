@@ -1,4 +1,4 @@
-"""A hand-built NVML binding: the calls ``anydevice.backends.nvml`` makes, answered from
+"""A hand-built NVML binding: the calls ``anydevice.hardware.backends.nvml`` makes, answered from
 chosen GPUs, with pynvml's real constants and real error classes.
 
 It stands in for the driver, not for anydevice's NVML layer: that layer runs as it does on

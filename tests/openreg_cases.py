@@ -34,7 +34,7 @@ def openreg() -> str:
 
 
 def test_the_copier_has_its_own_stream_and_timing_events() -> None:
-    from anydevice import copies, streams
+    from anydevice.feeding import copies, streams
 
     copier = copies.copier_for(torch.device(NAME))
     assert copier is not None and copier.device == dev()
@@ -49,7 +49,7 @@ def _batches(n: int) -> list[dict[str, Any]]:
 
 def test_device_loader_pins_copies_on_the_copy_stream_and_times_them() -> None:
     import anydevice as ad
-    from anydevice import streams
+    from anydevice.feeding import streams
 
     seen_streams = []
 

@@ -88,7 +88,7 @@ def test_named_and_indexed() -> None:
     assert ad.device(NAME) == torch.device(NAME, 0)
     assert ad.device(f"{NAME.upper()}:0") == torch.device(NAME, 0)
     assert ad.device(torch.device(NAME)) == torch.device(NAME, 0)
-    from anydevice.selection import Spec, parse_spec
+    from anydevice.hardware.selection import Spec, parse_spec
 
     assert parse_spec(f"{NAME}:0") == Spec(NAME, 0, f"{NAME}:0")
 
@@ -154,7 +154,7 @@ def test_device_loader_copies_on_the_backends_copy_stream(caplog: Any) -> None:
     import logging
 
     import anydevice as ad
-    from anydevice import copies, streams
+    from anydevice.feeding import copies, streams
 
     dev = torch.device(NAME, 0)
     copier = copies.copier_for(dev)

@@ -325,7 +325,7 @@ def test_two_threads_in_the_one_side_stream_each_get_their_own_stream_back() -> 
     import threading
 
     import anydevice as ad
-    from anydevice.backends import runtime
+    from anydevice.hardware.backends import runtime
 
     backend = runtime(dev().type)
     inside, first_out = threading.Barrier(2), threading.Event()

@@ -91,7 +91,8 @@ def test_import_alone_imports_neither_torch_nor_our_modules():
 def test_public_names_are_never_hidden_by_modules_of_the_same_name():
     # A launched worker imports anydevice.distributed.* before the user's ``ad.distributed()``.
     code = (
-        "import anydevice.inventory, anydevice.memory, anydevice.precision\n"
+        "import anydevice.hardware.inventory, anydevice.measure.memory\n"
+        "import anydevice.numerics.precision\n"
         "from anydevice.distributed.elastic import plan\n"
         "import anydevice as ad, types\n"
         "names = ('inventory', 'memory', 'precision', 'distributed')\n"
@@ -135,7 +136,7 @@ def test_loading_the_api_loads_no_rich_xla_or_cli():
         + LOAD_ALL
         + "print(json.dumps([m for m in sys.modules if m.split('.')[0] in "
         "('rich', 'torch_xla') "
-        "or m in ('anydevice.cli', 'anydevice.console', 'anydevice.doctor')]))"
+        "or m in ('anydevice.cli', 'anydevice.hardware.render', 'anydevice.doctor')]))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice import backends
-from anydevice.backends import generic
+from anydevice.hardware import backends
+from anydevice.hardware.backends import generic
 
 CASES = Path(__file__).with_name("privateuse1_cases.py")
 OPENREG = Path(__file__).with_name("openreg_cases.py")
@@ -75,7 +75,7 @@ def test_an_unregistered_name_is_a_spec_error() -> None:
 
 def test_torch_free_probe_asks_nothing() -> None:
     code = (
-        "import sys; from anydevice.backends import get; "
+        "import sys; from anydevice.hardware.backends import get; "
         "p = get('accelerator').probe_without_torch(); "
         "print(p is not None and p.devices == (), 'torch' in sys.modules)"
     )

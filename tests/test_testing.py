@@ -229,7 +229,7 @@ def test_synchronize_right_after_enable_waits_for_busy_work() -> None:
     code = (
         "import time, torch\n"
         "from anydevice import testing\n"
-        "from anydevice.clocks import synchronize\n"
+        "from anydevice.measure.clocks import synchronize\n"
         "dev = testing.enable()\n"
         "t = time.monotonic(); testing.busy(0.1); synchronize(dev)\n"
         "print(time.monotonic() - t)\n"

@@ -24,13 +24,6 @@ from typing import TYPE_CHECKING, Any
 from anydevice._version import __version__
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
-    from anydevice.batch_size import (
-        fit_batch_size as fit_batch_size,
-    )
-    from anydevice.checkpoint import (
-        load as load,
-        save as save,
-    )
     from anydevice.distributed import (
         Distributed as Distributed,
         all_gather as all_gather,
@@ -68,55 +61,21 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     from anydevice.extension import (
         load_extension as load_extension,
     )
-    from anydevice.flops import (
-        FlopCount as FlopCount,
-        ModuleFlops as ModuleFlops,
-        flops as flops,
+    from anydevice.feeding.loader import (
+        DeviceLoader as DeviceLoader,
+        LoaderStats as LoaderStats,
     )
-    from anydevice.inventory import (
+    from anydevice.feeding.streams import (
+        side_stream as side_stream,
+    )
+    from anydevice.hardware.inventory import (
         DeviceInfo as DeviceInfo,
         HostInfo as HostInfo,
         Inventory as Inventory,
         ProcessInfo as ProcessInfo,
         inventory as inventory,
     )
-    from anydevice.layout import (
-        channels_last as channels_last,
-    )
-    from anydevice.loader import (
-        DeviceLoader as DeviceLoader,
-        LoaderStats as LoaderStats,
-    )
-    from anydevice.matmul import (
-        fast_matmul as fast_matmul,
-    )
-    from anydevice.memory import (
-        MemoryStats as MemoryStats,
-        MemoryUsage as MemoryUsage,
-        free_memory as free_memory,
-        memory as memory,
-        track_memory as track_memory,
-    )
-    from anydevice.mismatch import (
-        check_devices as check_devices,
-        device_of as device_of,
-        devices_of as devices_of,
-        diagnose as diagnose,
-    )
-    from anydevice.placement import (
-        to as to,
-    )
-    from anydevice.precision import (
-        Precision as Precision,
-        precision as precision,
-    )
-    from anydevice.profiling import (
-        SyncReport as SyncReport,
-        find_syncs as find_syncs,
-        nvtx_range as nvtx_range,
-        profile as profile,
-    )
-    from anydevice.selection import (
+    from anydevice.hardware.selection import (
         DeviceLike as DeviceLike,
         describe as describe,
         device as device,
@@ -125,27 +84,68 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         try_all_gpus as try_all_gpus,
         try_gpu as try_gpu,
     )
-    from anydevice.streams import (
-        side_stream as side_stream,
+    from anydevice.measure.batch_size import (
+        fit_batch_size as fit_batch_size,
     )
-    from anydevice.throughput import (
+    from anydevice.measure.flops import (
+        FlopCount as FlopCount,
+        ModuleFlops as ModuleFlops,
+        flops as flops,
+    )
+    from anydevice.measure.memory import (
+        MemoryStats as MemoryStats,
+        MemoryUsage as MemoryUsage,
+        free_memory as free_memory,
+        memory as memory,
+        track_memory as track_memory,
+    )
+    from anydevice.measure.profiling import (
+        SyncReport as SyncReport,
+        find_syncs as find_syncs,
+        nvtx_range as nvtx_range,
+        profile as profile,
+    )
+    from anydevice.measure.throughput import (
         Peak as Peak,
         Throughput as Throughput,
         ThroughputStats as ThroughputStats,
     )
-    from anydevice.timing import (
+    from anydevice.measure.timing import (
         Measurement as Measurement,
         Timer as Timer,
         timeit as timeit,
+    )
+    from anydevice.numerics.layout import (
+        channels_last as channels_last,
+    )
+    from anydevice.numerics.matmul import (
+        fast_matmul as fast_matmul,
+    )
+    from anydevice.numerics.precision import (
+        Precision as Precision,
+        precision as precision,
+    )
+    from anydevice.placement.checkpoint import (
+        load as load,
+        save as save,
+    )
+    from anydevice.placement.mismatch import (
+        check_devices as check_devices,
+        device_of as device_of,
+        devices_of as devices_of,
+        diagnose as diagnose,
+    )
+    from anydevice.placement.move import (
+        to as to,
     )
 
 
 #: Public name -> the module that defines it, loaded on first use.
 _SOURCES: dict[str, str] = {
-    "fit_batch_size": "anydevice.batch_size",
-    "load": "anydevice.checkpoint",
+    "fit_batch_size": "anydevice.measure.batch_size",
+    "load": "anydevice.placement.checkpoint",
     "load_extension": "anydevice.extension",
-    "save": "anydevice.checkpoint",
+    "save": "anydevice.placement.checkpoint",
     "Distributed": "anydevice.distributed",
     "all_gather": "anydevice.distributed",
     "all_reduce": "anydevice.distributed",
@@ -176,48 +176,48 @@ _SOURCES: dict[str, str] = {
     "VisibilityError": "anydevice.errors",
     "WorkerFailedError": "anydevice.errors",
     "WorkerImportError": "anydevice.errors",
-    "DeviceInfo": "anydevice.inventory",
-    "HostInfo": "anydevice.inventory",
-    "Inventory": "anydevice.inventory",
-    "ProcessInfo": "anydevice.inventory",
-    "inventory": "anydevice.inventory",
-    "channels_last": "anydevice.layout",
-    "DeviceLoader": "anydevice.loader",
-    "LoaderStats": "anydevice.loader",
-    "fast_matmul": "anydevice.matmul",
-    "MemoryStats": "anydevice.memory",
-    "MemoryUsage": "anydevice.memory",
-    "free_memory": "anydevice.memory",
-    "memory": "anydevice.memory",
-    "track_memory": "anydevice.memory",
-    "check_devices": "anydevice.mismatch",
-    "device_of": "anydevice.mismatch",
-    "devices_of": "anydevice.mismatch",
-    "diagnose": "anydevice.mismatch",
-    "to": "anydevice.placement",
-    "Precision": "anydevice.precision",
-    "precision": "anydevice.precision",
-    "SyncReport": "anydevice.profiling",
-    "find_syncs": "anydevice.profiling",
-    "nvtx_range": "anydevice.profiling",
-    "profile": "anydevice.profiling",
-    "DeviceLike": "anydevice.selection",
-    "describe": "anydevice.selection",
-    "device": "anydevice.selection",
-    "devices": "anydevice.selection",
-    "restrict_visible": "anydevice.selection",
-    "try_all_gpus": "anydevice.selection",
-    "try_gpu": "anydevice.selection",
-    "side_stream": "anydevice.streams",
-    "FlopCount": "anydevice.flops",
-    "ModuleFlops": "anydevice.flops",
-    "flops": "anydevice.flops",
-    "Peak": "anydevice.throughput",
-    "Throughput": "anydevice.throughput",
-    "ThroughputStats": "anydevice.throughput",
-    "Measurement": "anydevice.timing",
-    "Timer": "anydevice.timing",
-    "timeit": "anydevice.timing",
+    "DeviceInfo": "anydevice.hardware.inventory",
+    "HostInfo": "anydevice.hardware.inventory",
+    "Inventory": "anydevice.hardware.inventory",
+    "ProcessInfo": "anydevice.hardware.inventory",
+    "inventory": "anydevice.hardware.inventory",
+    "channels_last": "anydevice.numerics.layout",
+    "DeviceLoader": "anydevice.feeding.loader",
+    "LoaderStats": "anydevice.feeding.loader",
+    "fast_matmul": "anydevice.numerics.matmul",
+    "MemoryStats": "anydevice.measure.memory",
+    "MemoryUsage": "anydevice.measure.memory",
+    "free_memory": "anydevice.measure.memory",
+    "memory": "anydevice.measure.memory",
+    "track_memory": "anydevice.measure.memory",
+    "check_devices": "anydevice.placement.mismatch",
+    "device_of": "anydevice.placement.mismatch",
+    "devices_of": "anydevice.placement.mismatch",
+    "diagnose": "anydevice.placement.mismatch",
+    "to": "anydevice.placement.move",
+    "Precision": "anydevice.numerics.precision",
+    "precision": "anydevice.numerics.precision",
+    "SyncReport": "anydevice.measure.profiling",
+    "find_syncs": "anydevice.measure.profiling",
+    "nvtx_range": "anydevice.measure.profiling",
+    "profile": "anydevice.measure.profiling",
+    "DeviceLike": "anydevice.hardware.selection",
+    "describe": "anydevice.hardware.selection",
+    "device": "anydevice.hardware.selection",
+    "devices": "anydevice.hardware.selection",
+    "restrict_visible": "anydevice.hardware.selection",
+    "try_all_gpus": "anydevice.hardware.selection",
+    "try_gpu": "anydevice.hardware.selection",
+    "side_stream": "anydevice.feeding.streams",
+    "FlopCount": "anydevice.measure.flops",
+    "ModuleFlops": "anydevice.measure.flops",
+    "flops": "anydevice.measure.flops",
+    "Peak": "anydevice.measure.throughput",
+    "Throughput": "anydevice.measure.throughput",
+    "ThroughputStats": "anydevice.measure.throughput",
+    "Measurement": "anydevice.measure.timing",
+    "Timer": "anydevice.measure.timing",
+    "timeit": "anydevice.measure.timing",
 }
 
 #: The public API: every lazily loaded name, and the version.
@@ -253,7 +253,7 @@ def _load_device_finders() -> None:
     and ``torch_xla`` load only when a backend looks); instantiating one touches no device.
     psutil is what the CPU backend reads the host with.
     """
-    from anydevice import backends
+    from anydevice.hardware import backends
 
     for kind in backends.KINDS:
         backends.get(kind)
@@ -268,11 +268,12 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     """``anydevice`` itself: a public name is never replaced by a submodule of that name.
 
-    ``ad.inventory``, ``ad.memory``, ``ad.precision`` and ``ad.distributed`` are functions
-    that share their names with the modules defining them. Importing such a module (which
-    our own code and a launched worker do) makes Python record it as an attribute of this
-    package, which would hide the function; here the function stays, and the module is
-    reached by a ``from`` import (``from anydevice.distributed.elastic import plan``).
+    ``ad.distributed`` is a function that shares its name with the package defining it
+    (the subpackages by concern avoid the other public names). Importing
+    ``anydevice.distributed`` (which our own code and a launched worker do) makes Python
+    record it as an attribute of this package, which would hide the function; here the
+    function stays, and the package is reached by a ``from`` import or by its full name
+    (``import anydevice.distributed.state as st``).
     """
 
     def __setattr__(self, name: str, value: object) -> None:

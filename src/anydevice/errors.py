@@ -135,7 +135,7 @@ class MeasurementError(AnydeviceError, RuntimeError):
 
 
 class BatchSizeError(AnydeviceError, RuntimeError):
-    """:func:`~anydevice.batch_size.fit_batch_size` found no batch size that fits.
+    """:func:`~anydevice.measure.batch_size.fit_batch_size` found no batch size that fits.
 
     Either even the smallest batch (``low``) runs out of memory, or ``step`` never ran out
     of memory at all (it probably ignores its batch size), or another rank failed.

@@ -334,7 +334,7 @@ def _cuda_plan(extra_cuda_cflags: Sequence[str]) -> tuple[list[str] | None, str]
     )
     if user_arch:
         return [], ""  # the user's choice; torch reads TORCH_CUDA_ARCH_LIST itself
-    from anydevice.inventory import inventory
+    from anydevice.hardware.inventory import inventory
 
     caps = [
         d.compute_capability

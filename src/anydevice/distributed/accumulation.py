@@ -22,7 +22,7 @@ of them:
    is read one micro-batch ahead to find its end; a short last step then divides by ``N``
    and its gradients are multiplied by ``N / k`` when it ends.
 
-It composes with :func:`anydevice.precision` (``p.backward`` per micro-batch, then
+It composes with :func:`anydevice.numerics.precision` (``p.backward`` per micro-batch, then
 ``p.unscale_`` once, clipping, ``p.step`` once) and with
 :func:`anydevice.fit_batch_size`: :func:`micro_batch_size` picks the largest micro-batch
 that fits and divides a target global batch.

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from anydevice.distributed import environment
 from anydevice.errors import DistributedError
-from anydevice.loader import DeviceLoader
+from anydevice.feeding.loader import DeviceLoader
 
 __all__ = ["all_gather", "all_reduce", "broadcast", "gather_for_metrics"]
 

@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from anydevice import selection
 from anydevice.distributed import accumulation, environment, preemption
 from anydevice.distributed.accumulation import Accumulation
 from anydevice.distributed.environment import World
 from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
-from anydevice.selection import DeviceLike
-from anydevice.streams import stream_device
+from anydevice.feeding.streams import stream_device
+from anydevice.hardware import selection
+from anydevice.hardware.selection import DeviceLike
 
 __all__ = ["Distributed", "backend_for", "distributed", "rank_device"]
 

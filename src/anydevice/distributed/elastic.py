@@ -40,7 +40,7 @@ from anydevice.distributed import addressing, environment
 from anydevice.distributed.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.distributed.environment import World
 from anydevice.errors import DeviceNotFoundError, DistributedError
-from anydevice.inventory import Inventory
+from anydevice.hardware.inventory import Inventory
 
 __all__ = [
     "LaunchPlan",
@@ -271,7 +271,7 @@ def launch_script(
 def resolve_nprocs(nprocs: int | str, inv: Inventory) -> int:
     """How many processes ``nprocs`` means on the machine ``inv`` describes (pure).
 
-    >>> from anydevice.inventory import inventory
+    >>> from anydevice.hardware.inventory import inventory
     >>> resolve_nprocs(3, inventory(telemetry=False))
     3
 
@@ -422,7 +422,7 @@ def _plan_here(
 
 
 def _inventory() -> Inventory:
-    from anydevice.inventory import inventory
+    from anydevice.hardware.inventory import inventory
 
     return inventory(telemetry=False, kinds=("cuda", "xpu", "cpu"))
 
@@ -566,10 +566,10 @@ def _tests_main(test: ast.expr) -> bool:
 
 def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:
     if start_method == "fork":
-        from anydevice.backends.cuda import driver_initialized
+        from anydevice.hardware.backends.cuda import driver_initialized
 
         if driver_initialized():
-            from anydevice.startmethod import interactive_main
+            from anydevice.feeding.startmethod import interactive_main
 
             raise DistributedError(
                 "CUDA is already initialised in this process, so forked workers cannot use "
@@ -583,7 +583,7 @@ def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method:
             )
         return
     from anydevice.errors import WorkerImportError
-    from anydevice.startmethod import check_launch
+    from anydevice.feeding.startmethod import check_launch
 
     try:
         check_launch(fn, args, start_method)  # a notebook's function or class: say so now

@@ -32,12 +32,12 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from anydevice import selection
 from anydevice.distributed import environment, sharding
 from anydevice.distributed.context import rank_device
 from anydevice.errors import DistributedError
-from anydevice.loader import DeviceLoader
-from anydevice.selection import DeviceLike
+from anydevice.feeding.loader import DeviceLoader
+from anydevice.hardware import selection
+from anydevice.hardware.selection import DeviceLike
 
 __all__ = [
     "device_loader",

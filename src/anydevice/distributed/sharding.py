@@ -10,7 +10,7 @@ its optimizer that do not fit on one device fit on ``N``. ``prepare(..., strateg
    one-dimensional ``DeviceMesh`` of the whole world. Sharding blocks first is what lets
    FSDP2 free each block's gathered parameters after it ran and overlap the next block's
    all-gather with this one's compute;
-3. sets the mixed-precision policy from :func:`anydevice.precision`: parameters gathered
+3. sets the mixed-precision policy from :func:`anydevice.numerics.precision`: parameters gathered
    in bf16 (or fp16) where the device computes in it natively, gradients reduced in fp32;
    fp32 elsewhere (a CPU without native bf16 would emulate it, much more slowly);
 4. points the optimizer at the sharded parameters.
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from anydevice.backends import runtime
 from anydevice.errors import DistributedError
-from anydevice.precision import Precision, precision
+from anydevice.hardware.backends import runtime
+from anydevice.numerics.precision import Precision, precision
 
 __all__ = ["ShardSpec", "blocks", "fully_shard_model", "mixed_precision", "swap_parameters"]
 

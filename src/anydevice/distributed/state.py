@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from anydevice import checkpoint
 from anydevice.distributed import history
 from anydevice.errors import CheckpointError
+from anydevice.placement import checkpoint
 
 if TYPE_CHECKING:
-    from anydevice.precision import Precision
+    from anydevice.numerics.precision import Precision
 
 __all__ = ["load_state", "save_state", "wait_for_saves"]
 
@@ -87,7 +87,7 @@ def save_state(
             parent folder must exist (on a file system every rank sees).
         model: the model, as ``ad.prepare`` returned it (or the plain module).
         optimizer: its optimizer.
-        precision: the :func:`anydevice.precision` policy of the loop: its mode and, in
+        precision: the :func:`anydevice.numerics.precision` policy of the loop: its mode and, in
             fp16, the loss scaler's scale and growth tracker are saved with the rest, so a
             resumed run does not start again at a scale of 65536 and skip steps to find it.
         loader: the :class:`~anydevice.DeviceLoader` of the loop (or anything with
@@ -231,7 +231,7 @@ def load_state(
         path: what :func:`save_state` wrote.
         model: the model to restore into (plain, DDP or FSDP).
         optimizer: its optimizer; its state is restored too.
-        precision: the loop's :func:`anydevice.precision` policy: the scaler state saved
+        precision: the loop's :func:`anydevice.numerics.precision` policy: the scaler state saved
             with ``save_state(..., precision=p)`` is restored into it (also across modes:
             see :meth:`~anydevice.Precision.load_state_dict`). A checkpoint saved without
             one leaves it as it is, with a warning on the ``anydevice`` logger.
@@ -349,7 +349,7 @@ def _restore_loader(loader: Any, extra: dict[str, Any], source: Path) -> dict[st
 def _precision_state(precision: Any, extra: dict[str, Any]) -> dict[str, Any] | None:
     """``precision.state_dict()``; a mapping passed as ``precision=`` (what had to be done
     by hand before) stays an ``extra`` entry, as it was."""
-    from anydevice.precision import Precision
+    from anydevice.numerics.precision import Precision
 
     if precision is None:
         return None
@@ -360,7 +360,7 @@ def _precision_state(precision: Any, extra: dict[str, Any]) -> dict[str, Any] | 
 
 
 def _check_precision(precision: object) -> None:
-    from anydevice.precision import Precision
+    from anydevice.numerics.precision import Precision
 
     if precision is not None and not isinstance(precision, Precision):
         raise TypeError(

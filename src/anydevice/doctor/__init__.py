@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from anydevice.doctor.checks import Check, run_checks
-from anydevice.inventory import DeviceInfo, Inventory, inventory
+from anydevice.hardware.inventory import DeviceInfo, Inventory, inventory
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -64,7 +64,7 @@ def examine(
     """Run every check on this machine (or on ``inv``, for tests), and measure if asked.
 
     Args:
-        inv: the machine; default: :func:`~anydevice.inventory` of this one.
+        inv: the machine; default: :func:`~anydevice.hardware.inventory` of this one.
         environ: the environment the checks read (default: ``os.environ``).
         measure: None (checks only), or the plan of the measurements: ``"quick"``,
             ``"default"``, ``"full"``.
@@ -99,7 +99,7 @@ def resolve_devices(
     ``"gpu:1"``, ``"free"``, ``"auto"`` (which honours ``ANYDEVICE_DEVICE``). Each device
     comes once, in the order first named.
 
-    >>> from anydevice.inventory import inventory
+    >>> from anydevice.hardware.inventory import inventory
     >>> [d.spec for d in resolve_devices(inventory(kinds=("cpu",)), ["CPU", "cpu:0"])]
     ['cpu']
 
@@ -107,8 +107,8 @@ def resolve_devices(
         DeviceSpecError: a malformed spec.
         DeviceNotFoundError: a spec that names no device here; the message lists what is.
     """
-    from anydevice.choice import DEVICE_VARIABLE, device_override
-    from anydevice.selection import parse_spec, select
+    from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
+    from anydevice.hardware.selection import parse_spec, select
 
     env = os.environ if environ is None else environ
     override = device_override(env)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from anydevice.clocks import clock_for
+from anydevice.measure.clocks import clock_for
 
 __all__ = ["Budget", "Comparison", "Slot", "Timed", "compare", "sized"]
 

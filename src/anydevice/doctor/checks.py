@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from anydevice.inventory import Inventory, format_bytes
+from anydevice.hardware.inventory import Inventory, format_bytes
 
 __all__ = ["CHECKS", "Check", "Status", "run_checks"]
 
@@ -39,7 +39,7 @@ CPU_WHEEL_COMMAND = "pip install torch --index-url https://download.pytorch.org/
 
 def check_torch_build(inv: Inventory, env: Mapping[str, str]) -> Check:
     """A CPU-only torch on a machine with NVIDIA GPUs wastes them."""
-    from anydevice.backends.cuda import cuda_wheel_command
+    from anydevice.hardware.backends.cuda import cuda_wheel_command
 
     h = inv.host
     title = "torch build fits the hardware"
@@ -183,7 +183,7 @@ def check_visibility(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_nvml(inv: Inventory, env: Mapping[str, str]) -> Check:
     """Without NVML, anydevice (and nvidia-smi) cannot read GPUs without initialising CUDA.
     Where there is no NVIDIA GPU (a CUDA torch on a CPU machine) there is nothing to read."""
-    from anydevice.backends.nvml import pci_gpus
+    from anydevice.hardware.backends.nvml import pci_gpus
 
     title = "NVML (GPU telemetry without a CUDA context)"
     nvml_notes = [n for n in inv.notes if "NVML" in n]
@@ -216,9 +216,9 @@ def check_nvml(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
     every script that asks for ``"auto"``."""
-    from anydevice.choice import DEVICE_VARIABLE, device_override
     from anydevice.errors import AnydeviceError
-    from anydevice.selection import parse_spec, select
+    from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
+    from anydevice.hardware.selection import parse_spec, select
 
     title = "ANYDEVICE_DEVICE (the device ad.device() picks)"
     value = device_override(env)
@@ -244,7 +244,7 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_free_memory(inv: Inventory, env: Mapping[str, str]) -> Check:
     """Low free memory on the device ``auto`` would pick is an OOM waiting to happen."""
     from anydevice.errors import AnydeviceError
-    from anydevice.selection import Spec, select
+    from anydevice.hardware.selection import Spec, select
 
     title = "free memory on the default device"
     try:

@@ -23,8 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from anydevice.backends import runtime
-from anydevice.clocks import clock_for
 from anydevice.doctor.budget import Slot, Timed, compare, sized
 from anydevice.doctor.measure import (
     Run,
@@ -38,9 +36,11 @@ from anydevice.doctor.measure import (
     threads_set,
 )
 from anydevice.doctor.results import Lever
-from anydevice.inventory import DeviceInfo, format_bytes
-from anydevice.precision import Precision
-from anydevice.streams import stream_device
+from anydevice.feeding.streams import stream_device
+from anydevice.hardware.backends import runtime
+from anydevice.hardware.inventory import DeviceInfo, format_bytes
+from anydevice.measure.clocks import clock_for
+from anydevice.numerics.precision import Precision
 
 __all__ = ["lever_steps"]
 

@@ -2,7 +2,7 @@
 
 For each device: matmul throughput per dtype, memory copy bandwidth and, for GPUs, host to
 device and device to host bandwidth from pageable and from pinned memory, each set against
-the device's peak where it is known (:mod:`anydevice.doctor.peaks`). Then the levers
+the device's peak where it is known (:mod:`anydevice.hardware.peaks`). Then the levers
 (:mod:`anydevice.doctor.levers`): what pinned memory, non_blocking overlap, autocast,
 ``fast_matmul`` and ``channels_last`` buy *here*. Last, one small training step run on
 every device, for a side-by-side table and a line of advice.
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from anydevice.backends import runtime
 from anydevice.doctor.budget import Budget, Slot, sized
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
-from anydevice.doctor.peaks import gpu_peak, pcie_peak
 from anydevice.doctor.results import DeviceSummary, Lever, Measured, Measurements, find
-from anydevice.inventory import DeviceInfo, Inventory, format_bytes
-from anydevice.matmul import fast_matmul, strict_fp32
-from anydevice.timing import format_time
+from anydevice.hardware.backends import runtime
+from anydevice.hardware.inventory import DeviceInfo, Inventory, format_bytes
+from anydevice.hardware.peaks import gpu_peak, pcie_peak
+from anydevice.measure.timing import format_time
+from anydevice.numerics.matmul import fast_matmul, strict_fp32
 
 __all__ = [
     "PLANS",
@@ -130,7 +130,7 @@ def measure(
 ) -> Measurements:
     """Measure every device of ``inv`` (or the ``devices`` named) within ``plan``'s budget.
 
-    >>> from anydevice.inventory import inventory
+    >>> from anydevice.hardware.inventory import inventory
     >>> m = measure(inventory(kinds=("cpu",)), "quick", budget=3.0)
     >>> m.result("cpu", "matmul-fp32").unit, m.result("cpu", "matmul-fp32").value > 0
     ('GFLOP/s', True)
@@ -501,7 +501,7 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
 def _mlp_step_flops(batch: int, width: int) -> float:
     """FLOPs of one MLP training step, counted on the meta device (nothing runs)."""
     from anydevice.doctor.levers import mlp
-    from anydevice.flops import flops
+    from anydevice.measure.flops import flops
 
     meta = torch.device("meta")
     model = mlp(width, meta)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from anydevice.doctor.results import Lever, Measured, Measurements
-    from anydevice.inventory import Inventory
+    from anydevice.hardware.inventory import Inventory
 
 __all__ = ["check_target", "plot", "require_matplotlib"]
 
@@ -267,7 +267,7 @@ def _step_bars(m: Measurements) -> list[tuple[str, float, str, str]]:
 
 def _steps(ax: Any, m: Measurements) -> None:
     """The same training step on every device: seconds per step, fp32 and best mode."""
-    from anydevice.timing import format_time
+    from anydevice.measure.timing import format_time
 
     bars = _step_bars(m)
     rows = [d for d in m.devices if d.step_fp32 is not None]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from anydevice.doctor.checks import Check, Status
 from anydevice.extension import find_compiler, find_ninja, find_nvcc
-from anydevice.inventory import Inventory
+from anydevice.hardware.inventory import Inventory
 
 __all__ = ["check_toolchain"]
 

@@ -90,7 +90,7 @@ def parse_bandwidth(value: float | str | None) -> float:
     >>> parse_bandwidth(None)
     inf
     """
-    from anydevice.inventory import parse_size
+    from anydevice.hardware.inventory import parse_size
 
     if value is None:
         return math.inf
@@ -125,7 +125,7 @@ def parse_bandwidth(value: float | str | None) -> float:
 
 
 def _capacity_bytes(capacity: int | str | None) -> int:
-    from anydevice.inventory import parse_size
+    from anydevice.hardware.inventory import parse_size
 
     if capacity is None:
         return -1
@@ -156,7 +156,7 @@ def _check_torch() -> None:
 def _check_slot(name: str) -> None:
     """Raise when torch's one privateuse1 slot holds another backend."""
 
-    from anydevice.backends.torch_private import privateuse1_name
+    from anydevice.hardware.backends.torch_private import privateuse1_name
 
     current = privateuse1_name()
     if current in (_UNSET, name) and (current == _UNSET or _name == name):

@@ -1,0 +1,11 @@
+"""The ``anydevice`` command (and ``python -m anydevice``). The top layer: nothing imports it.
+
+Modules:
+
+* :mod:`~anydevice.cli.commands`: the parser and the commands ``info``, ``top``,
+  ``select``, ``doctor`` and ``launch``; :func:`main` runs one.
+"""
+
+from anydevice.cli.commands import main
+
+__all__ = ["main"]

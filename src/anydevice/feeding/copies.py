@@ -1,0 +1,179 @@
+"""The streams and events a :class:`~anydevice.DeviceLoader` pass copies with.
+
+The loader's ordering (see :mod:`anydevice.feeding.loader`) needs five things of a device: a copy
+stream, the streams the consumer frees memory on (its *homes*), the stream current now,
+events to record after each copy, and pinned host memory. Every device with streams
+(CUDA, XPU, privateuse1 backends) has them as ``torch.Stream``/``torch.Event`` and
+``torch.accelerator``, through its backend (:class:`anydevice.hardware.backends.Backend`);
+:func:`copier_for` builds one :class:`Copier` from them, the same code for each, or gives
+None where a move is a plain synchronous ``to`` (the CPU, MPS, XLA, a backend without
+streams). What differs is a backend's flags, not a code path: CUDA reuses its events,
+marks batches with ``record_stream`` and treats a failure to pin as an error.
+
+What a backend lacks is left out, not faked: events that cannot time (no
+``elapsedTime``) still order the copies, with ``copy_seconds`` None; a backend that cannot
+pin host memory gets pageable copies, and the stats say the batches were not pinned.
+
+A batch read on a stream other than the home: where the backend has ``record_stream``
+(CUDA), the batch's tensors are marked with it (the allocator then holds their blocks
+until that stream is past the free). Elsewhere the consumer's stream becomes one more home
+instead: every later copy waits for it before allocating, so a block freed after reads
+queued there is reused only after them. That needs no ``record_stream``, which backends do
+not all have (torch's OpenReg test backend has none), and costs no overlap: the copy of
+batch k+1 then waits for the compute of batch k-1, as it waits on the home stream.
+
+The home is the stream current when the pass starts (the consumer's; the default stream
+unless the loop runs inside another stream): torch's accelerator API has no default
+stream, and a pass started inside a stream is read there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from anydevice.feeding.streams import copy_stream, stream_device
+from anydevice.feeding.transfer import CopyTimes, Slot, keep_for
+from anydevice.hardware.backends import runtime
+
+__all__ = ["Copier", "copier_for"]
+
+logger = logging.getLogger("anydevice")
+
+#: What a backend raises for an operation it does not implement.
+_UNSUPPORTED = (RuntimeError, NotImplementedError)
+
+
+class Copier:
+    """One pass's copy stream, the stream it is ordered after, and an event pair per batch.
+
+    Args:
+        device: the device copied to, with its index.
+        stream: the copy stream (one per device for the process: :func:`copy_stream`).
+        home: the stream the consumer frees batches on; each copy waits for it first.
+        record: mark a batch handed out on another stream with ``record_stream`` (CUDA);
+            else that stream joins the homes every later copy waits for.
+        current: the stream current on the calling thread now (the consumer's).
+        enter: makes a stream current for a block.
+        times: event pairs that time each copy, or None where events cannot time.
+        event: an event that only orders (used when ``times`` is None).
+        set_device: makes ``device`` current on the calling thread (the pinning thread).
+        pins_surely: pinning is part of the backend (CUDA): a failure to pin is an error,
+            not a backend without pinned memory.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        stream: Any,
+        home: Any,
+        current: Callable[[], Any],
+        enter: Callable[[Any], AbstractContextManager[Any]],
+        times: CopyTimes | None,
+        event: Callable[[], Any],
+        set_device: Callable[[], None],
+        *,
+        record: bool = False,
+        pins_surely: bool = False,
+    ) -> None:
+        self.device = device
+        self.stream = stream
+        self.homes = [home]  #: few: the home, then each other stream a batch was read on
+        self.record = record
+        self.current = current
+        self.enter = enter
+        self.times = times
+        self._event = event
+        self.set_device = set_device
+        self._pins = True  #: host memory can be pinned for this device (until it fails)
+        self._pins_surely = pins_surely
+
+    @property
+    def home(self) -> Any:
+        """The stream the pass started on (CUDA: the default stream)."""
+        return self.homes[0]
+
+    def wait_for_homes(self) -> None:
+        """Order the copy stream after what is queued on every home now (their last reads
+        of the batches they freed). Nothing else is waited for."""
+        for home in self.homes:
+            self.stream.wait_stream(home)
+
+    def keep(self, batch: Any, consumer: Any) -> None:
+        """Keep ``batch``'s memory for ``consumer``, a stream that is not the home."""
+        if self.record:
+            keep_for(batch, consumer, self.device)
+        elif all(consumer != h for h in self.homes):
+            self.homes.append(consumer)
+
+    def slot(self) -> Slot:
+        """The events for the next copy: a timing pair, else a fresh ordering event."""
+        if self.times is not None:
+            return self.times.take()
+        return Slot(None, self._event())
+
+    def discard(self, slot: Slot) -> None:
+        """The copy for ``slot`` was never issued."""
+        if self.times is not None:
+            self.times.discard(slot)
+
+    def handed_out(self, slot: Slot) -> None:
+        """The consumer's stream has issued its wait on ``slot.end``."""
+        if self.times is not None:
+            self.times.handed_out(slot)
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in pinned memory, or ``t`` itself where the backend cannot pin (said once)."""
+        if self._pins_surely:
+            return t.pin_memory()
+        if not self._pins:
+            return t
+        try:
+            return t.pin_memory()
+        except _UNSUPPORTED as e:
+            self._pins = False
+            logger.info(
+                "%s cannot pin host memory (%s): batches are copied from pageable memory",
+                self.device.type,
+                str(e).splitlines()[0],
+            )
+            return t
+
+
+def copier_for(device: torch.device) -> Copier | None:
+    """The :class:`Copier` for ``device``, or None where moves are synchronous."""
+    dev = stream_device(device)
+    if dev is None:
+        return None
+    try:
+        return _copier(dev)
+    except _UNSUPPORTED as e:  # the backend names streams but cannot make them
+        logger.info("no copy stream on %s (%s): batches are moved synchronously", dev, e)
+        return None
+
+
+def _copier(device: torch.device) -> Copier:
+    """Through the backend's streams and events (``torch.Stream``/``torch.Event``)."""
+    backend = runtime(device.type)
+    stream = copy_stream(device)
+    return Copier(
+        device,
+        stream=stream,
+        home=backend.current_stream(device),
+        current=lambda: backend.current_stream(device),
+        enter=backend.use_stream,
+        # Without reuse, new events for every copy: a backend may read an event when the
+        # waiting stream gets to the wait, not when it was issued; re-recording one could
+        # then deadlock.
+        times=CopyTimes(lambda: backend.new_event(device, timing=True), reuse=backend.reuses_events)
+        if backend.event_timing(device)
+        else None,
+        event=lambda: backend.new_event(device),
+        set_device=lambda: backend.set_device(device),  # else pinning makes a context on 0
+        record=backend.records_streams,
+        pins_surely=backend.pins_surely,
+    )

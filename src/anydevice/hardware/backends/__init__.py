@@ -1,0 +1,68 @@
+"""Device backends, one module per kind, chosen from a registry.
+
+Each backend implements :class:`~anydevice.hardware.backends.base.Backend`. Modules load on first
+use, so ``import anydevice`` imports none of them (nor NVML, nor ``torch_xla``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+
+from anydevice.hardware.backends.base import Backend, Probe
+
+__all__ = ["KINDS", "Backend", "Probe", "get", "runtime"]
+
+#: kind -> "module:class", in the order ``"auto"`` prefers accelerators, CPU last.
+_REGISTRY: dict[str, str] = {
+    "cuda": "anydevice.hardware.backends.cuda:CudaBackend",
+    "xla": "anydevice.hardware.backends.xla:XlaBackend",
+    "xpu": "anydevice.hardware.backends.xpu:XpuBackend",
+    "mps": "anydevice.hardware.backends.mps:MpsBackend",
+    # Every other accelerator torch knows (privateuse1 backends such as npu), by its name.
+    "accelerator": "anydevice.hardware.backends.generic:GenericBackend",
+    "cpu": "anydevice.hardware.backends.cpu:CpuBackend",
+}
+
+KINDS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get(kind: str) -> Backend:
+    """The backend for ``kind`` (one instance per process; backends keep no device state).
+
+    A device type torch knows beyond the named kinds (``npu``, ...) gets the generic one.
+    """
+    if kind not in _REGISTRY:
+        from anydevice.hardware.backends.generic import kinds
+
+        if kind not in kinds():
+            known = ", ".join((*KINDS, *kinds()))
+            raise KeyError(f"no backend for device kind {kind!r}; known: {known}")
+        kind = "accelerator"
+    return _get(kind)
+
+
+@cache
+def _get(kind: str) -> Backend:
+    target = _REGISTRY[kind]
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    backend: Backend = cls()
+    return backend
+
+
+def runtime(kind: str) -> Backend:
+    """The backend that runs work on devices of ``kind``: :func:`get`'s, and for a device
+    type no backend claims (``meta``, ``lazy``) one with no streams, nothing to wait for
+    and no memory counters (:class:`~anydevice.hardware.backends.base.Unclaimed`)."""
+    try:
+        return get(kind)
+    except KeyError:
+        return _unclaimed()
+
+
+@cache
+def _unclaimed() -> Backend:
+    from anydevice.hardware.backends.base import Unclaimed
+
+    return Unclaimed()

@@ -1,0 +1,123 @@
+"""torch's private names anydevice relies on, in one place, each with what happens without it.
+
+torch keeps these names out of its public API, so a release may rename or drop one. Each
+is read here with ``getattr``, never at import time, and everything else in anydevice asks
+through these functions. ``tests/hardware/test_torch_private.py`` checks every name in
+:data:`NAMES` against the torch it runs on: present where that build should have it, and
+the documented fallback where it does not (a CPU build has none of the CUDA ones).
+
+Nothing here initialises a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "NAMES",
+    "cudnn_allow_tf32",
+    "cudnn_binding",
+    "fp32_precision",
+    "has_fp32_precision_tree",
+    "host_empty_cache",
+    "primary_context_query",
+    "privateuse1_name",
+    "record_memory_history",
+    "set_fp32_precision",
+    "snapshot_memory",
+    "trace_plot",
+]
+
+#: Every private name used, where it lives, and which builds of torch have it.
+NAMES: dict[str, tuple[str, str]] = {
+    "_get_privateuse1_backend_name": ("torch._C", "all"),
+    "_get_fp32_precision_getter": ("torch._C", "all"),  # torch >= 2.9
+    "_set_fp32_precision_setter": ("torch._C", "all"),  # torch >= 2.9
+    "_get_cudnn_allow_tf32": ("torch._C", "all"),
+    "_cuda_hasPrimaryContext": ("torch._C", "cuda"),
+    "_cudnn": ("torch._C", "cuda"),
+    "_host_emptyCache": ("torch._C", "cuda"),  # before torch.accelerator.empty_host_cache
+    "_record_memory_history": ("torch.cuda.memory", "all"),
+    "_snapshot": ("torch.cuda.memory", "all"),
+    "trace_plot": ("torch.cuda._memory_viz", "all"),
+}
+
+
+def _C() -> Any:
+    import torch
+
+    return torch._C
+
+
+def privateuse1_name() -> str:
+    """The name torch's privateuse1 slot is registered under (``"privateuseone"`` until a
+    backend renames it)."""
+    return str(_C()._get_privateuse1_backend_name())
+
+
+def primary_context_query() -> Callable[[int], bool] | None:
+    """The driver's ``cuDevicePrimaryCtxGetState`` as torch binds it: whether this process
+    has a context on a GPU, asked without creating one; None without that binding."""
+    return getattr(_C(), "_cuda_hasPrimaryContext", None)
+
+
+def cudnn_binding() -> Any | None:
+    """torch's cuDNN binding (``getVersionInt``, ``is_cuda``), None on builds without it."""
+    return getattr(_C(), "_cudnn", None)
+
+
+def has_fp32_precision_tree() -> bool:
+    """Whether this torch keeps the per-backend fp32 precision settings (torch >= 2.9)."""
+    return hasattr(_C(), "_get_fp32_precision_getter")
+
+
+def fp32_precision(backend: str, op: str) -> str:
+    """What the fp32 precision node ``(backend, op)`` stores (``"none"``: it inherits).
+
+    Read from ``torch._C``: ``torch.backends.mkldnn.fp32_precision``'s setter writes the
+    generic value instead of mkldnn's (torch 2.13), so the public attributes cannot restore
+    what they read.
+    """
+    return str(_C()._get_fp32_precision_getter(backend, op))
+
+
+def set_fp32_precision(backend: str, op: str, value: str) -> None:
+    """Store ``value`` at the fp32 precision node ``(backend, op)``."""
+    _C()._set_fp32_precision_setter(backend, op, value)
+
+
+def cudnn_allow_tf32() -> bool:
+    """The legacy cuDNN TF32 flag; raises ``RuntimeError`` as torch does when the legacy and
+    new settings disagree."""
+    return bool(_C()._get_cudnn_allow_tf32())
+
+
+def host_empty_cache() -> Callable[[], None] | None:
+    """What gives the pinned host allocator's cached blocks back: the public
+    ``torch.accelerator.empty_host_cache``, else torch's older private binding, else None."""
+    import torch
+
+    empty = getattr(torch.accelerator, "empty_host_cache", None)
+    return empty if empty is not None else getattr(_C(), "_host_emptyCache", None)
+
+
+def record_memory_history(**options: Any) -> None:
+    """Start (or, with ``enabled=None``, stop) CUDA's allocator history."""
+    import torch.cuda.memory
+
+    torch.cuda.memory._record_memory_history(**options)
+
+
+def snapshot_memory() -> Any:
+    """CUDA's allocator snapshot, with the history recorded so far."""
+    import torch.cuda.memory
+
+    return torch.cuda.memory._snapshot()
+
+
+def trace_plot(snapshot: Any) -> str:
+    """torch's HTML timeline of an allocator snapshot."""
+    from torch.cuda._memory_viz import trace_plot as plot
+
+    return str(plot(snapshot))

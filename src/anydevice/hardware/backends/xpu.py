@@ -1,0 +1,77 @@
+"""Intel GPUs through ``torch.xpu``."""
+
+from __future__ import annotations
+
+from anydevice.hardware import torchbuild
+from anydevice.hardware.backends.base import Backend, Probe
+from anydevice.hardware.inventory import DeviceInfo, HostInfo
+
+__all__ = ["XpuBackend"]
+
+
+class XpuBackend(Backend):
+    kind = "xpu"
+    label = "Intel XPU"
+    is_gpu = True
+    has_streams = True
+
+    def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
+        return True, f"{info.spec} ({info.name}): oneDNN convolutions are fastest in NHWC"
+
+    def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
+        """Nothing to find when torch was built without XPU; otherwise only torch can tell."""
+        build = torchbuild.read()
+        return Probe() if build is None or not build.xpu else None
+
+    def probe(self, *, telemetry: bool = True) -> Probe:
+        import torch
+
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None or not xpu.is_available():
+            return Probe()
+        devices = []
+        for i in range(xpu.device_count()):
+            p = xpu.get_device_properties(i)
+            free = total = None
+            try:
+                free, total = (int(v) for v in xpu.mem_get_info(i))
+            except (RuntimeError, AttributeError):
+                total = int(getattr(p, "total_memory", 0)) or None
+            uuid = getattr(p, "uuid", None)
+            devices.append(
+                DeviceInfo(
+                    kind="xpu",
+                    index=i,
+                    name=str(p.name),
+                    uuid=None if uuid is None else str(uuid),
+                    memory_total=total,
+                    memory_free=free,
+                    memory_used=None if free is None or total is None else total - free,
+                    multiprocessors=getattr(p, "gpu_subslice_count", None),
+                    bf16=_native_bf16(p),
+                    tf32=bool(getattr(p, "has_fp32_dpas", False)) or None,
+                    notes=("utilisation, temperature and power unknown (no telemetry library)",),
+                )
+            )
+        return Probe(devices=tuple(devices))
+
+    def unavailable_reason(self, host: HostInfo | None = None) -> str:
+        import torch
+
+        if not getattr(getattr(torch, "xpu", None), "_is_compiled", lambda: False)():
+            return (
+                f"this torch ({torch.__version__}) was built without XPU support; install an "
+                "XPU build: pip install torch --index-url https://download.pytorch.org/whl/xpu"
+            )
+        return "no Intel GPU is visible to torch (driver or oneAPI runtime missing?)."
+
+
+def _native_bf16(props: object) -> bool | None:
+    """Native bf16 on one XPU, as torch itself judges it without emulation.
+
+    ``torch.xpu.is_bf16_supported()`` counts emulation by default (True on every XPU) and
+    asks only the current device; the device property is what its
+    ``including_emulation=False`` form reads.
+    """
+    value = getattr(props, "has_bfloat16_conversions", None)
+    return None if value is None else bool(value)

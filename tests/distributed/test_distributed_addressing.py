@@ -1,0 +1,122 @@
+"""This node's address for a multi-node launch: the source address of the route to the
+rendezvous, its interface for gloo and NCCL, ``--local-addr`` over both. Real sockets and
+this machine's real interfaces (the two-host proof is tests/infra/test_two_hosts.py)."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import psutil
+import pytest
+
+from anydevice.distributed import addressing
+from anydevice.distributed.addressing import interface_of, node_address, route_source
+from anydevice.distributed.elastic import _plan_here, plan
+from anydevice.distributed.environment import detect
+
+
+def _outward() -> tuple[str, str]:
+    """An IPv4 address of this machine beyond loopback, and its interface."""
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address, name
+    pytest.skip("this machine has no IPv4 address beyond loopback to route to")
+
+
+def test_route_to_loopback_leaves_from_loopback():
+    assert route_source("127.0.0.1") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == addressing.interface_of(route_source("localhost") or "")
+
+
+def test_route_to_an_own_address_leaves_from_it_on_its_interface():
+    addr, name = _outward()
+    assert route_source(addr) == addr
+    assert interface_of(addr) == name
+
+
+def test_unresolvable_host_has_no_route():
+    assert route_source("no-such-host.invalid") is None
+    assert interface_of("203.0.113.77") is None
+    assert interface_of("not an address") is None
+
+
+def test_socket_variables_follow_the_route_unless_the_user_set_them():
+    addr, name = _outward()
+    found = node_address(f"{addr}:29400", environ={})
+    assert found is not None
+    assert (found.addr, found.interface, found.chosen) == (addr, name, "route")
+    assert found.env == {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+    mine = node_address(f"{addr}:29400", environ={"NCCL_SOCKET_IFNAME": "ib0"})
+    assert mine is not None and mine.env == {"GLOO_SOCKET_IFNAME": name}
+
+
+def test_local_addr_wins_over_the_route():
+    addr, _ = _outward()
+    found = node_address(f"{addr}:29400", local_addr="127.0.0.1", environ={})
+    assert found is not None
+    assert (found.addr, found.chosen) == ("127.0.0.1", "given")
+    assert found.env["GLOO_SOCKET_IFNAME"] == interface_of("127.0.0.1")
+
+
+def test_local_addr_not_of_this_machine_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"local_addr='203\.0\.113\.77'.*--local-addr.*ip -brief"):
+        node_address("127.0.0.1:29400", local_addr="203.0.113.77", environ={})
+
+
+def test_several_nodes_beyond_loopback_get_the_routes_address_not_the_hostname(monkeypatch):
+    # Where the hostname resolves to 127.0.0.1 torch's default (getfqdn) told the other
+    # nodes' workers MASTER_ADDR=<hostname>, and gloo listened on loopback only.
+    addr, name = _outward()
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    chosen = _plan_here(detect({}), 2, 2, 0, f"{addr}:29400", None, 0, "spawn", 30.0)
+    assert chosen.local_addr == addr
+    assert chosen.env["GLOO_SOCKET_IFNAME"] == name == chosen.env["NCCL_SOCKET_IFNAME"]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    chosen = _plan_here(detect({}), 2, 2, 1, f"{addr}:29400", None, 0, "spawn", 30.0)
+    assert "GLOO_SOCKET_IFNAME" not in chosen.env
+
+
+def test_one_node_and_loopback_meetings_stay_on_loopback():
+    one = addressing.settle(plan(2))
+    assert (one.local_addr, one.env) == ("127.0.0.1", plan(2).env)
+    both = plan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    assert addressing.settle(both) == both
+
+
+PROBE = """
+import os, sys
+from datetime import timedelta
+from anydevice.cli.commands import quiet_lookup_warnings
+quieted = quiet_lookup_warnings() if sys.argv[1] == "quiet" else None
+from torch.distributed import TCPStore
+try:  # nobody listens on port 1: c10d warns (W) that it retries, then gives up
+    TCPStore("127.0.0.1", 1, is_master=False, timeout=timedelta(seconds=1))
+except Exception:
+    pass
+print("QUIETED", quieted, "TORCH_CPP_LOG_LEVEL" in os.environ, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["quiet", "loud"])
+def test_the_launcher_keeps_c10d_warnings_out_and_its_workers_keep_theirs(mode):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(addressing.__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    warned = re.search(r"^\[W\d.*\[c10d\].*retrying", done.stderr, re.M) is not None
+    if mode == "quiet":
+        assert "QUIETED True False" in done.stdout  # the workers it starts see no level
+        assert not warned, done.stderr
+    else:
+        assert warned, done.stderr

@@ -1,0 +1,478 @@
+"""DeviceLoader on the CPU: iteration semantics and failures, with real DataLoaders.
+
+Faults are switched by real files (a worker process cannot see a flag set in the test), and
+worker processes are really killed. The CUDA path (side stream, pinning, overlap) is tested
+on a GPU in test_loader_cuda.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+import anydevice as ad
+from anydevice.feeding.loader import DeviceLoader, LoaderStats
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "anydevice-prefetch"]
+
+
+def wait_until(pred, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+class Squares(Dataset):
+    """x -> (x, x**2); fails at index ``fail_at`` while ``switch`` exists (a real file)."""
+
+    def __init__(self, n: int, fail_at: int | None = None, switch: Path | None = None,
+                 mode: str = "raise", delay: float = 0.0) -> None:  # fmt: skip
+        self.n, self.fail_at, self.switch, self.mode, self.delay = n, fail_at, switch, mode, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.delay:
+            time.sleep(self.delay)
+        if i == self.fail_at and self.switch is not None and self.switch.exists():
+            if self.mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"bad sample {i}")
+        x = torch.tensor([float(i)])
+        return x, x**2
+
+
+def values(loader) -> list[float]:
+    return [v for x, _ in loader for v in x.flatten().tolist()]
+
+
+@pytest.fixture(autouse=True)
+def no_thread_left_behind():
+    yield
+    assert wait_until(lambda: not prefetch_threads(), 5), prefetch_threads()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_arrive_in_order_with_len_and_again_next_epoch(workers):
+    dl = DataLoader(Squares(10), batch_size=3, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
+    assert len(loader) == len(dl) == 4
+    assert values(loader) == [float(i) for i in range(10)]
+    assert values(loader) == [float(i) for i in range(10)]  # re-iterable per epoch
+    x, y = next(iter(loader))
+    assert torch.equal(y, x**2)
+    assert x.device == torch.device("cpu")
+
+
+def test_plain_lists_and_nested_batches():
+    batches = [{"x": torch.ones(2), "meta": ["a", 1]}, {"x": torch.zeros(2), "meta": ["b", 2]}]
+    out = list(DeviceLoader(batches, "cpu", prefetch=True))
+    assert [b["meta"] for b in out] == [["a", 1], ["b", 2]]
+    assert [b["x"].sum().item() for b in out] == [2.0, 0.0]
+
+
+def test_generator_source_is_read_once():
+    gen = (torch.full((2,), float(i)) for i in range(3))
+    loader = DeviceLoader(gen, "cpu", prefetch=True)
+    assert [b[0].item() for b in loader] == [0.0, 1.0, 2.0]
+    assert list(loader) == []  # a generator cannot be read twice; nothing to fake
+    with pytest.raises(TypeError, match="has no len"):
+        len(loader)
+
+
+def test_transform_runs_on_each_batch_after_the_move():
+    raw = [torch.arange(4, dtype=torch.uint8) for _ in range(3)]
+    loader = DeviceLoader(raw, "cpu", transform=lambda b: b.float() / 255, prefetch=True)
+    out = list(loader)
+    assert all(b.dtype == torch.float32 for b in out)
+    assert torch.allclose(out[0], torch.arange(4) / 255)
+
+
+@dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def test_dataclass_batches_are_delivered():
+    loader = DeviceLoader([Pair(torch.ones(1), torch.zeros(1))], "cpu", prefetch=True)
+    (batch,) = list(loader)
+    assert isinstance(batch, Pair)
+    assert batch.a.item() == 1.0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_dataset_error_reaches_the_consumer_and_the_next_epoch_works(tmp_path, workers, prefetch):
+    switch = tmp_path / "fail"
+    switch.touch()
+    dl = DataLoader(Squares(8, fail_at=5, switch=switch), batch_size=1, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu", prefetch=prefetch)
+    seen: list[float] = []
+    with pytest.raises(ValueError, match="bad sample 5") as info:
+        for x, _ in loader:
+            seen.append(x.item())
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0]  # batch 4 is not lost to the failure of 5
+    text = "".join(traceback.format_exception(info.value))
+    assert "__getitem__" in text  # the dataset's own frame (or the worker's traceback)
+    switch.unlink()
+    assert values(loader) == [float(i) for i in range(8)]
+
+
+def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
+    switch = tmp_path / "kill"
+    switch.touch()
+    dl = DataLoader(Squares(16, fail_at=6, switch=switch, mode="kill"), batch_size=2,
+                    num_workers=2, timeout=0)  # fmt: skip
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for _ in loader:
+            pass
+    assert time.monotonic() - t0 < 60
+    switch.unlink()
+    assert values(loader) == [float(i) for i in range(16)]
+
+
+ABORTED_PASSES = """
+import sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import psutil
+from torch.utils.data import DataLoader
+from test_loader import Squares, wait_until
+from anydevice.feeding.loader import DeviceLoader
+
+switch = Path(sys.argv[1])
+switch.touch()
+me = psutil.Process()
+threads_before = set(threading.enumerate())
+busy = set(me.children())  # the contention the test started
+for _ in range(20):
+    dl = DataLoader(Squares(64, fail_at=9, switch=switch, delay=0.002), batch_size=2,
+                    num_workers=2)
+    try:
+        for _ in DeviceLoader(dl, "cpu", prefetch=True):
+            pass
+    except ValueError:
+        pass
+    else:
+        raise SystemExit("the pass did not fail")
+workers = lambda: [p for p in me.children(recursive=True) if p not in busy and p.is_running()
+                   and p.status() != psutil.STATUS_ZOMBIE]
+extra = lambda: [t.name for t in threading.enumerate() if t not in threads_before]
+wait_until(lambda: not workers() and not extra(), timeout=30)
+print(f"threads left: {extra()}; workers left: {len(workers())}", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_passes_ended_by_a_dataset_error_under_load_release_everything(tmp_path):
+    import subprocess
+    import sys
+
+    busy = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\n"
+                              "while time.time() < end: pass"]) for _ in range(3)]  # fmt: skip
+    try:
+        argv = [sys.executable, "-c", ABORTED_PASSES, str(tmp_path / "fail")]
+        here = str(Path(__file__).parent)
+        run = subprocess.run([*argv, here], capture_output=True, text=True, timeout=200)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait(timeout=30)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "threads left: []; workers left: 0" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "terminate called" not in run.stderr
+    assert "Exception ignored" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_early_break_leaves_no_thread_and_no_worker(workers):
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    dl = DataLoader(Squares(100, delay=0.001), batch_size=2, num_workers=workers)
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    assert wait_until(lambda: not prefetch_threads())
+    assert wait_until(lambda: {p.pid for p in me.children(recursive=True)} <= before)
+
+
+def test_keyboard_interrupt_leaves_no_thread():
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu", prefetch=True)
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(loader):
+            if i == 3:
+                raise KeyboardInterrupt
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_a_new_pass_closes_the_unfinished_one():
+    loader = DeviceLoader(DataLoader(Squares(50), batch_size=1), "cpu", prefetch=True)
+    first = iter(loader)
+    next(first)
+    assert values(loader) == [float(i) for i in range(50)]
+    assert wait_until(lambda: not prefetch_threads())
+
+
+def test_empty_loader_yields_nothing_and_says_nothing_is_wrong():
+    loader = DeviceLoader(
+        DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=4), "cpu", prefetch=True
+    )
+    assert list(loader) == []
+    assert len(loader) == 0
+    assert loader.stats.batches == 0
+    assert loader.stats.verdict == "no batch delivered yet"
+
+
+def test_prefetch_false_never_starts_a_thread():
+    seen_threads: list[int] = []
+    loader = DeviceLoader(DataLoader(Squares(5), batch_size=1), "cpu", prefetch=False)
+    for _ in loader:
+        seen_threads.append(len(prefetch_threads()))
+    assert seen_threads == [0] * 5
+
+
+def torch_order(n: int, epoch: int, rank: int = 1) -> list[float]:
+    """The samples torch's own DistributedSampler deals rank ``rank`` of 2 at ``epoch``."""
+    sampler = DistributedSampler(range(n), num_replicas=2, rank=rank, shuffle=True, seed=0)
+    sampler.set_epoch(epoch)
+    return [float(i) for i in sampler]
+
+
+def sharded(n: int = 40, **kw) -> DeviceLoader:
+    ds = Squares(n)
+    sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    return DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu", **kw)
+
+
+def test_set_epoch_reaches_the_distributed_sampler():
+    loader = sharded(20, prefetch=True)
+    loader.set_epoch(7)
+    assert loader.sampler.epoch == 7
+    assert values(loader) == torch_order(20, 7)
+    assert values(loader) == torch_order(20, 7)  # the epoch is the user's: kept, as in torch
+
+
+def test_each_complete_pass_advances_the_epoch_when_the_user_never_sets_it():
+    loader = sharded()
+    assert [values(loader) for _ in range(3)] == [torch_order(40, e) for e in range(3)]
+    assert loader.sampler.epoch == 2  # the epoch just run, as torch's sampler reads
+
+
+class IntEpochSampler(DistributedSampler):
+    """A sampler that stores ``int(epoch)``: the loader cannot mark the epoch it set."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
+def test_a_sampler_that_stores_a_plain_int_still_advances_and_keeps_the_users_epoch():
+    ds = Squares(40)
+    sampler = IntEpochSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
+    loader = DeviceLoader(DataLoader(ds, batch_size=5, sampler=sampler), "cpu")
+    assert [values(loader) for _ in range(2)] == [torch_order(40, e) for e in range(2)]
+    sampler.set_epoch(5)
+    assert [values(loader) for _ in range(2)] == [torch_order(40, 5)] * 2
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_sampler_reads_the_epoch_just_run_as_torchs_does(prefetch):
+    loader = sharded(prefetch=prefetch)
+    for epoch in range(3):  # the DDP tutorial's loop: set, run a full pass, read
+        loader.sampler.set_epoch(epoch)
+        assert values(loader) == torch_order(40, epoch)
+        assert loader.sampler.epoch == epoch
+    auto = sharded(prefetch=prefetch)
+    for epoch in range(2):
+        assert values(auto) == torch_order(40, epoch)
+        assert auto.sampler.epoch == epoch
+        assert str(auto.sampler.epoch) == str(epoch)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_peek_or_a_break_does_not_use_up_an_epoch(prefetch):
+    loader = sharded(prefetch=prefetch)
+    next(iter(loader))  # a peek
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    assert values(loader) == torch_order(40, 0)
+    assert values(loader) == torch_order(40, 1)
+
+
+@pytest.mark.parametrize("where", ["loader", "sampler"])
+def test_resume_at_epoch_three_gives_torchs_order_for_epoch_three(where):
+    loader = sharded()
+    target = loader if where == "loader" else loader.sampler
+    target.set_epoch(3)
+    assert values(loader) == torch_order(40, 3)
+    assert values(loader) == torch_order(40, 3)  # theirs from then on, as with torch's sampler
+
+
+def test_the_ddp_tutorials_sampler_set_epoch_is_never_overridden():
+    loader = sharded()
+    got = []
+    for epoch in (0, 1, 2, 1, 5):  # in order, then a replay and a jump
+        loader.sampler.set_epoch(epoch)
+        got.append(values(loader))
+    assert got == [torch_order(40, e) for e in (0, 1, 2, 1, 5)]
+
+
+def test_setting_the_sampler_to_the_epoch_just_run_replays_it():
+    loader = sharded()
+    first = values(loader)  # automatic epoch 0
+    loader.sampler.set_epoch(0)
+    assert values(loader) == first == torch_order(40, 0)
+
+
+def test_stats_call_a_slow_source_input_bound():
+    dl = DataLoader(Squares(8, delay=0.02), batch_size=1, num_workers=0)
+    loader = DeviceLoader(dl, "cpu", prefetch=True)
+    for _ in loader:
+        pass
+    s = loader.stats
+    assert isinstance(s, LoaderStats)
+    assert s.batches == 8
+    assert s.wait_fraction > 0.5
+    assert s.verdict.startswith("input-bound")
+    assert "raise num_workers (now 0)" in s.verdict
+    assert s.bytes_moved == 0  # nothing crossed a device boundary
+    assert "8 batches on cpu" in repr(s)
+
+
+def test_stats_call_a_slow_consumer_compute_bound():
+    loader = DeviceLoader([torch.ones(4)] * 6, "cpu", prefetch=True)
+    for _ in loader:
+        time.sleep(0.03)
+    s = loader.stats
+    assert s.batches == 6
+    assert s.wait_fraction < 0.2
+    assert s.verdict.startswith("compute-bound")
+    assert s.num_workers is None
+    assert s.total_seconds >= 0.15
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_stats_of_a_pass_a_dataset_error_ended_give_no_advice(tmp_path, prefetch):
+    switch = tmp_path / "fail"
+    switch.touch()
+    dl = DataLoader(Squares(8, fail_at=3, switch=switch, delay=0.02), batch_size=1)
+    loader = DeviceLoader(dl, "cpu", prefetch=prefetch)
+    seen = 0
+    with pytest.raises(ValueError, match="bad sample 3"):
+        for _ in loader:
+            seen += 1
+    s = loader.stats
+    assert s.aborted is not None and "ValueError: bad sample 3" in s.aborted
+    assert s.verdict.startswith(f"aborted after {seen} batches by ValueError: bad sample 3")
+    assert "input-bound" not in repr(s) and "num_workers" not in s.verdict
+    switch.unlink()
+    for _ in loader:  # a later complete pass gets its verdict again
+        pass
+    assert loader.stats.aborted is None
+    assert loader.stats.verdict.startswith("input-bound")
+
+
+class Feedback:
+    """A source that makes batch k+1 only once the consumer has used batch k (an RL
+    rollout, a queue fed by the step): it waits, bounded, for the value the consumer sets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.used = threading.Event()
+        self.gave_up = False
+
+    def __iter__(self):
+        for k in range(self.n):
+            if k and not self.used.wait(timeout=10):
+                self.gave_up = True
+                return
+            self.used.clear()
+            yield torch.tensor([float(k)])
+
+
+class FeedbackDataset(torch.utils.data.IterableDataset):
+    def __init__(self, source: Feedback) -> None:
+        self.source = source
+
+    def __iter__(self):
+        return iter(self.source)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("wrap", ["iterable", "dataloader"])
+def test_a_batch_is_delivered_before_the_source_made_the_next(prefetch, wrap):
+    source = Feedback(3)
+    wrapped = source if wrap == "iterable" else DataLoader(FeedbackDataset(source), batch_size=None)
+    loader = DeviceLoader(wrapped, "cpu", prefetch=prefetch)
+    got: list[float] = []
+    done = threading.Event()
+
+    def consume() -> None:
+        for batch in loader:
+            got.append(batch.item())
+            source.used.set()  # the step that lets the source make the next batch
+        done.set()
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert done.wait(timeout=30), f"the loader held a batch back: got {got}"
+    consumer.join(timeout=10)
+    assert got == [0.0, 1.0, 2.0] and not source.gave_up
+
+
+def test_device_is_resolved_once_from_any_spec(monkeypatch):
+    loader = DeviceLoader([torch.ones(1)], "auto")
+    assert loader.device == ad.device()
+    with pytest.raises(ad.DeviceSpecError):
+        DeviceLoader([], "cdua")
+    with pytest.raises(ValueError, match="depth"):
+        DeviceLoader([], "cpu", depth=0)
+
+
+def test_batches_move_to_another_device():
+    # 'meta' is torch's data-less device: a real move between two devices on a CPU machine.
+    loader = DeviceLoader([torch.ones(3), torch.ones(3)], "meta")
+    out = list(loader)
+    assert all(b.device.type == "meta" for b in out)
+    assert loader.stats.bytes_moved == 2 * 3 * 4
+
+
+def test_attributes_it_does_not_define_are_the_sources():
+    source = DataLoader(range(6), batch_size=3)
+    dl = ad.DeviceLoader(source, "cpu")
+    assert dl.dataset is source.dataset and dl.sampler is source.sampler and dl.batch_size == 3
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = dl.nope
+
+
+def test_prefetch_auto_starts_a_thread_only_for_accelerators():
+    assert DeviceLoader([torch.ones(1)], "cpu").prefetch is False  # nothing to copy here
+    assert DeviceLoader([torch.ones(1)], "meta").prefetch is True  # any non-CPU device
+    assert DeviceLoader([torch.ones(1)], "cpu", prefetch=True).prefetch is True
+    loader = DeviceLoader(DataLoader(Squares(5), batch_size=1), "cpu")
+    seen = []
+    for _ in loader:
+        seen.append(len(prefetch_threads()))
+    assert seen == [0] * 5
+    with pytest.raises(ValueError, match="prefetch must be True, False or 'auto', not 'yes'"):
+        DeviceLoader([], "cpu", prefetch="yes")

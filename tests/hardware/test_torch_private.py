@@ -1,0 +1,70 @@
+"""Every private torch name anydevice uses, checked against the torch these tests run on.
+
+``anydevice.hardware.backends.torch_private`` is the one place that touches them. A torch release
+that renames or drops one fails here by name, before a user meets an ``AttributeError``
+or a silently different answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from anydevice.hardware.backends import torch_private as tp
+
+CUDA_BUILD = torch.version.cuda is not None
+
+
+@pytest.mark.parametrize("name", sorted(tp.NAMES))
+def test_each_private_name_is_where_this_build_should_have_it(name: str) -> None:
+    where, builds = tp.NAMES[name]
+    present = hasattr(importlib.import_module(where), name)
+    if builds == "all" or CUDA_BUILD:
+        assert present, f"{where}.{name} is gone from torch {torch.__version__}"
+
+
+def test_privateuse1_name_is_the_slots_name_before_and_after_a_rename() -> None:
+    code = (
+        "import torch\n"
+        "from anydevice.hardware.backends.torch_private import privateuse1_name\n"
+        "print(privateuse1_name())\n"
+        "torch.utils.rename_privateuse1_backend('npuish')\n"
+        "print(privateuse1_name())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["privateuseone", "npuish"]
+
+
+def test_fp32_precision_nodes_read_back_what_was_stored() -> None:
+    assert tp.has_fp32_precision_tree()
+    before = tp.fp32_precision("mkldnn", "matmul")
+    other = "tf32" if before == "ieee" else "ieee"
+    try:
+        tp.set_fp32_precision("mkldnn", "matmul", other)
+        assert tp.fp32_precision("mkldnn", "matmul") == other
+    finally:
+        tp.set_fp32_precision("mkldnn", "matmul", before)
+    assert tp.fp32_precision("mkldnn", "matmul") == before
+
+
+def test_the_cuda_bindings_fall_back_on_a_build_without_them() -> None:
+    if CUDA_BUILD:
+        pytest.skip("a CUDA build: the bindings are there (checked above)")
+    from anydevice.hardware.backends.cuda import cudnn_version_number, has_primary_context
+
+    assert tp.primary_context_query() is None and tp.cudnn_binding() is None
+    assert cudnn_version_number() is None
+    assert has_primary_context(0) is False
+    assert not torch.cuda.is_initialized()
+
+
+def test_the_host_cache_is_emptied_through_the_public_name_where_torch_has_it() -> None:
+    empty = tp.host_empty_cache()
+    public = getattr(torch.accelerator, "empty_host_cache", None)
+    assert empty is (public if public is not None else torch._C._host_emptyCache)
