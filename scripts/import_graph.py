@@ -1,5 +1,5 @@
 """The shape of the anydevice package: modules per package, the largest modules, the import
-circles and the longest import chain.
+circles, the longest import chain, and the layers of its subpackages.
 
     python scripts/import_graph.py [--all-imports] [--json]
 
@@ -19,6 +19,39 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "anydevice"
+
+#: The subpackages (and top-level modules) by layer, lowest first: each imports only from
+#: layers below its own, through function-level imports too (docs/design.md draws them).
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors", "_version"}),
+    frozenset({"hardware"}),
+    frozenset({"placement", "numerics", "extension"}),
+    frozenset({"feeding", "measure"}),
+    frozenset({"distributed"}),
+    frozenset({"doctor", "testing"}),
+    frozenset({"cli", ""}),
+    frozenset({"__main__"}),
+)
+
+
+def concern(module: str) -> str:
+    """The subpackage (or top-level module) ``module`` belongs to; "" for ``anydevice``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def layer_breaches(edges: dict[str, set[str]]) -> list[str]:
+    """Imports that do not go down a layer: ``a -> b`` where ``b``'s layer is not below
+    ``a``'s (or either is in no layer)."""
+    rank = {name: i for i, names in enumerate(LAYERS) for name in names}
+    out = []
+    for v, ws in sorted(edges.items()):
+        for w in sorted(ws):
+            a, b = concern(v), concern(w)
+            if a == b:
+                continue
+            if a not in rank or b not in rank or rank[b] >= rank[a]:
+                out.append(f"{v} -> {w}")
+    return out
 
 
 def module_name(path: Path) -> str:
@@ -165,6 +198,7 @@ def main() -> None:
         "largest": largest,
         "circles": found,
         "longest_chain": chain,
+        "layer_breaches": layer_breaches(edges),
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -177,6 +211,10 @@ def main() -> None:
     for part in found:
         print("  " + " <-> ".join(part))
     print(f"longest import chain ({len(chain)} modules): " + " -> ".join(chain))
+    breaches = report["layer_breaches"]
+    print(f"{len(breaches)} import(s) not going down a layer" + (":" if breaches else ""))
+    for line in breaches:
+        print("  " + line)
 
 
 if __name__ == "__main__":

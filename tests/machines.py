@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from anydevice.hardware.backends.nvml import GpuRecord
-from anydevice.hardware.inventory import DeviceInfo, HostInfo, Inventory, ProcessInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo, ProcessInfo
+from anydevice.hardware.inventory import Inventory
 
 GiB = 2**30
 

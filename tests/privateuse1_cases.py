@@ -88,7 +88,7 @@ def test_named_and_indexed() -> None:
     assert ad.device(NAME) == torch.device(NAME, 0)
     assert ad.device(f"{NAME.upper()}:0") == torch.device(NAME, 0)
     assert ad.device(torch.device(NAME)) == torch.device(NAME, 0)
-    from anydevice.hardware.selection import Spec, parse_spec
+    from anydevice.hardware.spec import Spec, parse_spec
 
     assert parse_spec(f"{NAME}:0") == Spec(NAME, 0, f"{NAME}:0")
 

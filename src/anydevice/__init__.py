@@ -4,7 +4,20 @@
 >>> ad.device("cpu")
 device(type='cpu')
 
-The public API is what ``__all__`` lists; everything else is private.
+The public API is what ``__all__`` lists; everything else is private. The package is laid
+out by concern, each layer importing only from those below it (``docs/design.md``):
+
+* :mod:`anydevice.errors` — the error tree; ``anydevice._version``.
+* :mod:`anydevice.hardware` — what devices are here and which to use; the backends.
+* :mod:`anydevice.placement` — where tensors are, moving them, checkpoints;
+  :mod:`anydevice.numerics` — precision, matmul math, memory layout;
+  :mod:`anydevice.extension` — custom C++/CUDA operators.
+* :mod:`anydevice.feeding` — batches onto the device; :mod:`anydevice.measure` — time,
+  work, rates and memory.
+* :mod:`anydevice.distributed` — processes, machines, collectives, training state.
+* :mod:`anydevice.doctor` — the machine examined; :mod:`anydevice.testing` — a simulated
+  accelerator for tests.
+* :mod:`anydevice.cli` — the ``anydevice`` command (``anydevice.__main__``).
 
 Each public name loads on first use (PEP 562), so ``import anydevice`` alone imports
 neither torch nor any of our modules: the ``anydevice`` command answers ``--help``,
@@ -68,15 +81,13 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     from anydevice.feeding.streams import (
         side_stream as side_stream,
     )
-    from anydevice.hardware.inventory import (
+    from anydevice.hardware.facts import (
         DeviceInfo as DeviceInfo,
         HostInfo as HostInfo,
-        Inventory as Inventory,
         ProcessInfo as ProcessInfo,
-        inventory as inventory,
     )
+    from anydevice.hardware.inventory import Inventory as Inventory, inventory as inventory
     from anydevice.hardware.selection import (
-        DeviceLike as DeviceLike,
         describe as describe,
         device as device,
         devices as devices,
@@ -84,6 +95,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         try_all_gpus as try_all_gpus,
         try_gpu as try_gpu,
     )
+    from anydevice.hardware.spec import DeviceLike as DeviceLike
     from anydevice.measure.batch_size import (
         fit_batch_size as fit_batch_size,
     )
@@ -105,13 +117,15 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         nvtx_range as nvtx_range,
         profile as profile,
     )
+    from anydevice.measure.samples import (
+        Measurement as Measurement,
+    )
     from anydevice.measure.throughput import (
         Peak as Peak,
         Throughput as Throughput,
         ThroughputStats as ThroughputStats,
     )
     from anydevice.measure.timing import (
-        Measurement as Measurement,
         Timer as Timer,
         timeit as timeit,
     )
@@ -176,10 +190,10 @@ _SOURCES: dict[str, str] = {
     "VisibilityError": "anydevice.errors",
     "WorkerFailedError": "anydevice.errors",
     "WorkerImportError": "anydevice.errors",
-    "DeviceInfo": "anydevice.hardware.inventory",
-    "HostInfo": "anydevice.hardware.inventory",
+    "DeviceInfo": "anydevice.hardware.facts",
+    "HostInfo": "anydevice.hardware.facts",
     "Inventory": "anydevice.hardware.inventory",
-    "ProcessInfo": "anydevice.hardware.inventory",
+    "ProcessInfo": "anydevice.hardware.facts",
     "inventory": "anydevice.hardware.inventory",
     "channels_last": "anydevice.numerics.layout",
     "DeviceLoader": "anydevice.feeding.loader",
@@ -201,7 +215,7 @@ _SOURCES: dict[str, str] = {
     "find_syncs": "anydevice.measure.profiling",
     "nvtx_range": "anydevice.measure.profiling",
     "profile": "anydevice.measure.profiling",
-    "DeviceLike": "anydevice.hardware.selection",
+    "DeviceLike": "anydevice.hardware.spec",
     "describe": "anydevice.hardware.selection",
     "device": "anydevice.hardware.selection",
     "devices": "anydevice.hardware.selection",
@@ -215,7 +229,7 @@ _SOURCES: dict[str, str] = {
     "Peak": "anydevice.measure.throughput",
     "Throughput": "anydevice.measure.throughput",
     "ThroughputStats": "anydevice.measure.throughput",
-    "Measurement": "anydevice.measure.timing",
+    "Measurement": "anydevice.measure.samples",
     "Timer": "anydevice.measure.timing",
     "timeit": "anydevice.measure.timing",
 }

@@ -33,7 +33,7 @@ def test_info_json_is_the_inventory():
     out = run("info", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["schema"] == "anydevice.hardware.inventory/1"
+    assert data["schema"] == "anydevice.inventory/1"
     assert data["devices"][-1]["kind"] == "cpu"
 
 

@@ -18,7 +18,7 @@ from anydevice.doctor.checks import (
     check_visibility,
 )
 from anydevice.hardware.backends.nvml import pci_gpus
-from anydevice.hardware.inventory import ProcessInfo
+from anydevice.hardware.facts import ProcessInfo
 from machines import GiB, gpu, machine
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,11 +13,12 @@ import sys
 import pytest
 from rich.console import Console
 
-from anydevice.doctor.measure import Measured, Run, _mfu, measure
+from anydevice.doctor.measure import _mfu, measure
 from anydevice.doctor.render import devices_table, results_table
-from anydevice.doctor.results import DeviceSummary, Lever, Measurements
+from anydevice.doctor.results import DeviceSummary, Lever, Measured, Measurements
+from anydevice.doctor.workloads import Run
 from anydevice.hardware.inventory import inventory
-from anydevice.measure.timing import format_time
+from anydevice.measure.samples import format_time
 from machines import cpu_device
 
 SPIN = "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end:\n    pass\n"
@@ -82,7 +83,7 @@ def test_a_step_faster_than_the_measured_peak_gets_no_mfu_but_the_reason():
 
 
 def measure_plan():
-    from anydevice.doctor.measure import PLANS
+    from anydevice.doctor.workloads import PLANS
 
     return PLANS["quick"]
 

@@ -12,22 +12,13 @@ import pytest
 import torch
 
 from anydevice.doctor import examine
-from anydevice.doctor.measure import (
-    PLANS,
-    Lever,
-    Measured,
-    Plan,
-    Run,
-    _choose,
-    _emulated,
-    measure,
-    run_plan,
-    strict_fp32,
-)
+from anydevice.doctor.measure import _choose, _emulated, measure, run_plan
+from anydevice.doctor.results import Lever, Measured
+from anydevice.doctor.workloads import PLANS, Plan, Run
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError
 from anydevice.hardware.inventory import Inventory, inventory
 from anydevice.hardware.peaks import gpu_peak, pcie_peak
-from anydevice.numerics.matmul import MathSettings, _Saved
+from anydevice.numerics.matmul import MathSettings, _Saved, strict_fp32
 from machines import cpu_device, gpu, host, machine
 
 #: Seconds a run may take past its budget here: one call predicted from the size below it,

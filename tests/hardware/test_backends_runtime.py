@@ -80,9 +80,11 @@ def test_kinds_without_streams_have_no_side_streams(kind: str) -> None:
 
 
 def test_a_device_type_no_backend_claims_has_no_streams_and_is_not_the_host() -> None:
-    meta = runtime("meta")
-    assert meta is runtime("lazy") and meta is not backends.get("cpu")
+    meta, lazy = runtime("meta"), runtime("lazy")
+    assert lazy is runtime("lazy") and meta is runtime("meta") and meta is not lazy
+    assert meta is not backends.get("cpu") and isinstance(meta, type(lazy))
     assert not (meta.has_streams or meta.is_host or meta.counts_peaks)
+    assert lazy.holds_data and not meta.holds_data
     from anydevice.feeding.streams import stream_device
 
     assert stream_device(torch.device("meta")) is None
@@ -103,20 +105,27 @@ PACKAGE = Path(__file__).resolve().parents[2] / "src" / "anydevice"
 #: Comparisons of a device type (or kind) to a literal kind name left outside backends/,
 #: per module: each is a branch a new device kind has to be added to. Only ever lowered.
 STILL_BRANCHING = {
-    "distributed/context.py": 2,
-    "distributed/parallel.py": 2,
-    "distributed/sharing.py": 1,
-    "doctor/measure.py": 2,
-    "doctor/plot.py": 1,
-    "hardware/inventory.py": 2,
-    "hardware/peaks.py": 1,
-    "hardware/render.py": 1,
-    "hardware/selection.py": 7,
-    "measure/memory.py": 1,
-    "measure/memory_history.py": 1,
-    "measure/throughput.py": 2,
-    "placement/mismatch.py": 1,
+    "hardware/facts.py": 1,  # DeviceInfo.is_accelerator: the data's own definition
+    "hardware/peaks.py": 1,  # the datasheet table lists NVIDIA GPUs
+    "hardware/render.py": 1,  # nvidia-smi's index, UUID and PCI bus rows
+    "hardware/selection.py": 2,  # the grammar's words: meta, cpu
+    "hardware/spec.py": 1,  # "cpu:0" is the CPU, "cpu:1" an error
 }
+
+
+def test_what_differs_between_kinds_is_said_by_their_backends() -> None:
+    """The facts the feature modules used to branch on, each a backend's flag or method."""
+    cpu, cuda, xpu, xla = (backends.get(k) for k in ("cpu", "cuda", "xpu", "xla"))
+    meta = runtime("meta")
+    assert not meta.holds_data and cpu.holds_data and cuda.holds_data
+    assert cpu.always_probed and cuda.always_probed and not xpu.always_probed
+    assert cuda.keeps_history and not xpu.keeps_history and not cpu.keeps_history
+    assert cuda.data_parallel and not xpu.data_parallel
+    assert cuda.ddp_device_ids and xpu.ddp_device_ids and not cpu.ddp_device_ids
+    assert cuda.visibility_variable == "CUDA_VISIBLE_DEVICES" and cpu.visibility_variable is None
+    refusal = xla.collective_refusal("gloo")
+    assert refusal is not None and "backend='xla'" in refusal
+    assert xla.collective_refusal("xla") is None and cuda.collective_refusal("gloo") is None
 
 
 def _names_a_kind(node: ast.AST) -> bool:

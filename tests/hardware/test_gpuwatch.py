@@ -9,8 +9,8 @@ import time
 import psutil
 from rich.console import Console
 
+from anydevice.hardware.facts import ProcessInfo
 from anydevice.hardware.gpuwatch import GpuReading, HostReading, Reading, Watcher, gpu_readings
-from anydevice.hardware.inventory import ProcessInfo
 from anydevice.hardware.render import top_view
 from conftest import cuda_gpu_present
 from machines import GiB, mig, record

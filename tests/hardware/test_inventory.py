@@ -13,14 +13,8 @@ import pytest
 import torch
 
 import anydevice as ad
-from anydevice.hardware.inventory import (
-    DeviceInfo,
-    Inventory,
-    ProcessInfo,
-    format_bytes,
-    inventory_without_torch,
-    parse_size,
-)
+from anydevice.hardware.facts import DeviceInfo, ProcessInfo, format_bytes, parse_size
+from anydevice.hardware.inventory import Inventory, inventory_without_torch
 from machines import GiB, gpu, machine
 
 #: The documented JSON keys (docs/inventory.md). Keys may be added, never removed.
@@ -64,7 +58,7 @@ def test_cpu_is_listed_last_and_described():
 def test_json_form_has_the_documented_keys_and_round_trips():
     inv = ad.inventory()
     data = json.loads(inv.to_json())
-    assert data["schema"] == "anydevice.hardware.inventory/1"
+    assert data["schema"] == "anydevice.inventory/1"
     assert set(data["host"]) == HOST_KEYS
     for d in data["devices"]:
         assert set(d) == DEVICE_KEYS

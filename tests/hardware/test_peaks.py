@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from anydevice.hardware.inventory import DeviceInfo
+from anydevice.hardware.facts import DeviceInfo
 from anydevice.hardware.peaks import GpuPeak, gpu_peak
 
 

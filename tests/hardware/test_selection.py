@@ -9,15 +9,10 @@ import torch
 
 import anydevice as ad
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
-from anydevice.hardware.inventory import ProcessInfo
-from anydevice.hardware.selection import (
-    Spec,
-    parse_size,
-    parse_spec,
-    select,
-    select_all,
-    try_gpu_in,
-)
+from anydevice.hardware.backends.cuda import cuda_built
+from anydevice.hardware.facts import ProcessInfo, parse_size
+from anydevice.hardware.selection import select, select_all, try_gpu_in
+from anydevice.hardware.spec import Spec, parse_spec
 from anydevice.hardware.visibility import visible_value
 from machines import GiB, gpu, machine
 
@@ -135,7 +130,7 @@ def test_no_gpu_explicit_gpu_specs_raise_naming_what_exists(spec):
 def test_cpu_torch_on_a_gpu_machine_says_to_install_a_cuda_build():
     inv = machine(torch_build="CPU", cuda_runtime=None, nvidia_gpus=2, driver_cuda="12.4")
     message = str(pytest.raises(DeviceNotFoundError, pick, "cuda", inv).value)
-    if not ad.backends.cuda.cuda_built():  # the reason names this process's torch
+    if not cuda_built():  # the reason names this process's torch
         assert "CPU-only" in message
         assert "cu124" in message
 
@@ -296,7 +291,7 @@ def test_full_gpus_are_still_selected_by_plain_specs():
 
 
 def test_gpu_means_mps_or_xpu_where_there_is_no_cuda():
-    from anydevice.hardware.inventory import DeviceInfo
+    from anydevice.hardware.facts import DeviceInfo
 
     mps = DeviceInfo(kind="mps", index=0, name="Apple M3 GPU", memory_total=GiB, memory_free=GiB)
     inv = machine(others=(mps,))
@@ -389,7 +384,7 @@ def test_visible_value_rejects_duplicates():
 
 
 def test_restrict_visible_without_cuda_devices_leaves_the_variable_alone(monkeypatch):
-    if ad.backends.cuda.cuda_built():
+    if cuda_built():
         pytest.skip("covered by the cuda tests on a GPU machine")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(DeviceNotFoundError, match="no CUDA device is visible"):

@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import anydevice as ad
-from anydevice.measure.batch_size import is_out_of_memory, search
+from anydevice.measure.batch_size import search
+from anydevice.measure.memory_readings import is_out_of_memory
 
 
 def limited(threshold: int, calls: list[int] | None = None):

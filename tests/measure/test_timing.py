@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import anydevice as ad
-from anydevice.measure.timing import MAX_NUMBER, Measurement, Plan, autorange, format_time, timeit
+from anydevice.measure.samples import MAX_NUMBER, Calibration, Measurement, autorange, format_time
+from anydevice.measure.timing import timeit
 
 
 class FakeClock:
@@ -108,7 +109,7 @@ def test_autorange_counts_flush_time_against_min_time():
 
 def test_autorange_terminates_on_a_clock_that_never_moves():
     plan = autorange(lambda n: 0.0, min_time=0.1)
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, Calibration)
     assert plan.repeat == 1000
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import anydevice as ad
-from anydevice.hardware.inventory import DeviceInfo
+from anydevice.hardware.facts import DeviceInfo
 from anydevice.numerics.layout import channels_last_pays
 from machines import cpu_device, gpu
 

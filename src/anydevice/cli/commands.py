@@ -191,7 +191,7 @@ def _percent(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from anydevice.hardware.inventory import parse_size
+    from anydevice.hardware.facts import parse_size
 
     try:
         return parse_size(text)

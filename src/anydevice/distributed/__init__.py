@@ -15,6 +15,10 @@
 * :mod:`~anydevice.distributed.collectives` — ``all_reduce``, ``all_gather``, ``broadcast``,
   ``gather_for_metrics``.
 * :mod:`~anydevice.distributed.sharing` — ``share()`` for Hogwild.
+* :mod:`~anydevice.distributed.addressing` — the address of this node the others reach.
+* :mod:`~anydevice.distributed.reaper` — every process the workers start ends with the launch.
+* :mod:`~anydevice.distributed.preemption` — save on the scheduler's signal, then exit.
+* :mod:`~anydevice.distributed.history` — a folder of step-numbered checkpoints.
 
 Importing this package loads torch's own ``torch.distributed`` (which ``import torch``
 already does) and nothing heavier: the elastic agent is imported when a launch starts.

@@ -43,7 +43,8 @@ from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.feeding.streams import stream_device
 from anydevice.hardware import selection
-from anydevice.hardware.selection import DeviceLike
+from anydevice.hardware.backends import runtime
+from anydevice.hardware.spec import NO_INDEX, DeviceLike, parse_spec
 
 __all__ = ["Distributed", "backend_for", "distributed", "rank_device"]
 
@@ -259,8 +260,8 @@ def rank_device(spec: DeviceLike, local_rank: int) -> torch.device:
     >>> rank_device("cpu", 5)
     device(type='cpu')
     """
-    parsed = selection.parse_spec(spec)
-    if parsed.kind in ("cpu", "meta"):
+    parsed = parse_spec(spec)
+    if parsed.kind in NO_INDEX:
         return torch.device(parsed.kind)
     if parsed.index is not None:
         return selection.device(spec)
@@ -352,12 +353,9 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
                 f"{world.describe()} cannot form its process group.{hint} Use "
                 f"backend='auto' (here: {backend_for(dev)!r})."
             )
-    if dev.type == "xla" and name == "gloo":
-        raise DistributedError(
-            "XLA devices need torch_xla's own backend: pass backend='xla' and "
-            "init_method='xla://' (after `import torch_xla.distributed.xla_backend`), or "
-            "start the job with torch_xla's launcher."
-        )
+    refusal = runtime(dev.type).collective_refusal(name)
+    if refusal is not None:
+        raise DistributedError(refusal)
     # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
     # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
     if "nccl" in name and "CUDA_VISIBLE_DEVICES" not in os.environ:

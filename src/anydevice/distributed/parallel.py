@@ -37,7 +37,8 @@ from anydevice.distributed.context import rank_device
 from anydevice.errors import DistributedError
 from anydevice.feeding.loader import DeviceLoader
 from anydevice.hardware import selection
-from anydevice.hardware.selection import DeviceLike
+from anydevice.hardware.backends import runtime
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = [
     "device_loader",
@@ -377,7 +378,7 @@ def _wrap(
     if size == 1 and not (strategy == "ddp" and grouped):
         return model
     devices = {p.device for p in model.parameters()}
-    single_gpu = len(devices) == 1 and dev.type in ("cuda", "xpu")
+    single_gpu = len(devices) == 1 and runtime(dev.type).ddp_device_ids
     ids = [_index(dev)] if single_gpu else None  # torch refuses device_ids for CPU modules
     return DistributedDataParallel(model, device_ids=ids, **kwargs)
 
@@ -417,7 +418,7 @@ def _data_parallel(
             f"strategy='dp' runs one process that drives every GPU, but this is one of {size} "
             "processes. Use strategy='auto' (DistributedDataParallel) under a launcher."
         )
-    if dev.type != "cuda":
+    if not runtime(dev.type).data_parallel:
         warnings.warn(
             f"strategy='dp': nn.DataParallel needs CUDA GPUs, and the model is on {dev}. "
             "torch's DataParallel would silently just call the module there (no "

@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from anydevice.errors import DistributedError
+from anydevice.hardware.backends import runtime
 
 __all__ = ["share"]
 
@@ -34,8 +35,9 @@ def share(model: nn.Module) -> nn.Module:
         DistributedError: the model is not on the CPU (Hogwild shares host memory; for
             several GPUs use ``ad.launch`` with ``ad.prepare``, i.e. DDP).
     """
-    places = sorted({str(t.device) for t in (*model.parameters(), *model.buffers())})
-    if any(p != "cpu" for p in places):
+    tensors = (*model.parameters(), *model.buffers())
+    places = sorted({str(t.device) for t in tensors})
+    if not all(runtime(t.device.type).is_host for t in tensors):
         raise DistributedError(
             f"share() puts parameters in shared host memory, but the model is on "
             f"{', '.join(places)}. Keep it on the CPU for Hogwild (model.cpu()), or train on "

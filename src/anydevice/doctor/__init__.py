@@ -3,6 +3,19 @@
 :func:`examine` runs the configuration checks (:mod:`anydevice.doctor.checks`) and, when
 asked, measures each device (:mod:`anydevice.doctor.measure`): throughput, bandwidth, what
 each lever buys here, and a side-by-side table of the devices with advice.
+
+Modules:
+
+* :mod:`~anydevice.doctor.checks` — the configuration checks, each a verdict with its fix;
+  :mod:`~anydevice.doctor.toolchain` — the compiler, ninja and nvcc check.
+* :mod:`~anydevice.doctor.results` — what was found and measured, as frozen data.
+* :mod:`~anydevice.doctor.workloads` — the plans (how long, how large) and what is timed.
+* :mod:`~anydevice.doctor.measure` — the measurements; :mod:`~anydevice.doctor.levers` —
+  what each lever buys, from interleaved A/B timings.
+* :mod:`~anydevice.doctor.budget` — time budgets and self-sizing;
+  :mod:`~anydevice.doctor.load` — whether other processes used the cores meanwhile.
+* :mod:`~anydevice.doctor.render` — the report as rich tables;
+  :mod:`~anydevice.doctor.plot` — as one picture (``--plot``).
 """
 
 from __future__ import annotations
@@ -12,13 +25,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from anydevice.doctor.checks import Check, run_checks
-from anydevice.hardware.inventory import DeviceInfo, Inventory, inventory
+from anydevice.doctor.checks import run_checks
+from anydevice.doctor.results import Check
+from anydevice.hardware.facts import DeviceInfo
+from anydevice.hardware.inventory import Inventory, inventory
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from anydevice.doctor.measure import Measurements, Plan, Progress
+    from anydevice.doctor.results import Measurements
+    from anydevice.doctor.workloads import Plan, Progress
 
 __all__ = ["Check", "Report", "examine", "resolve_devices"]
 
@@ -108,7 +124,8 @@ def resolve_devices(
         DeviceNotFoundError: a spec that names no device here; the message lists what is.
     """
     from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
-    from anydevice.hardware.selection import parse_spec, select
+    from anydevice.hardware.selection import select
+    from anydevice.hardware.spec import parse_spec
 
     env = os.environ if environ is None else environ
     override = device_override(env)

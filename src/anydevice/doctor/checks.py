@@ -9,28 +9,13 @@ costs speed or surprises), ``fail`` (torch cannot use the hardware as it is), ``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
 
-from anydevice.hardware.inventory import Inventory, format_bytes
+from anydevice.doctor.results import Check
+from anydevice.doctor.toolchain import check_toolchain
+from anydevice.hardware.facts import format_bytes
+from anydevice.hardware.inventory import Inventory
 
-__all__ = ["CHECKS", "Check", "Status", "run_checks"]
-
-Status = Literal["ok", "info", "warn", "fail", "skip"]
-
-
-@dataclass(frozen=True)
-class Check:
-    """One verdict: what was found (with the values) and, when something is off, the fix."""
-
-    name: str  #: stable id, e.g. "torch-build"
-    title: str  #: what is checked, for people
-    status: Status
-    summary: str
-    fix: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["CHECKS", "run_checks"]
 
 
 #: The pip line for torch's CPU-only build (the README's, for machines without a GPU).
@@ -218,7 +203,8 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     every script that asks for ``"auto"``."""
     from anydevice.errors import AnydeviceError
     from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
-    from anydevice.hardware.selection import parse_spec, select
+    from anydevice.hardware.selection import select
+    from anydevice.hardware.spec import parse_spec
 
     title = "ANYDEVICE_DEVICE (the device ad.device() picks)"
     value = device_override(env)
@@ -244,7 +230,8 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_free_memory(inv: Inventory, env: Mapping[str, str]) -> Check:
     """Low free memory on the device ``auto`` would pick is an OOM waiting to happen."""
     from anydevice.errors import AnydeviceError
-    from anydevice.hardware.selection import Spec, select
+    from anydevice.hardware.selection import select
+    from anydevice.hardware.spec import Spec
 
     title = "free memory on the default device"
     try:
@@ -307,13 +294,6 @@ def check_cores(inv: Inventory, env: Mapping[str, str]) -> Check:
         f"{h.cores_usable} cores usable ({h.cores_physical or '?'} physical); torch uses "
         f"{h.torch_threads} threads.",
     )
-
-
-def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
-    """Compiler, ninja and nvcc for torch.compile and custom kernels (doctor/toolchain.py)."""
-    from anydevice.doctor.toolchain import check_toolchain as check
-
-    return check(inv, env)
 
 
 def check_mps_fallback(inv: Inventory, env: Mapping[str, str]) -> Check:

@@ -24,22 +24,24 @@ import torch
 from torch import nn
 
 from anydevice.doctor.budget import Slot, Timed, compare, sized
-from anydevice.doctor.measure import (
+from anydevice.doctor.results import Lever
+from anydevice.doctor.workloads import (
     Run,
     Step,
     copy_call,
     math_mode,
     matmul_call,
+    mlp,
     powers,
     reached,
-    strict_fp32,
     threads_set,
+    train_call,
 )
-from anydevice.doctor.results import Lever
 from anydevice.feeding.streams import stream_device
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.inventory import DeviceInfo, format_bytes
+from anydevice.hardware.facts import DeviceInfo, format_bytes
 from anydevice.measure.clocks import clock_for
+from anydevice.numerics.matmul import strict_fp32
 from anydevice.numerics.precision import Precision
 
 __all__ = ["lever_steps"]
@@ -213,38 +215,6 @@ def _overlap_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
 
 
 # ----------------------------------------------------------------------------- training steps
-
-
-def mlp(width: int, device: torch.device) -> nn.Module:
-    """The doctor's training-step model: LayerNorm, then 4 x (Linear(width, width), GELU)."""
-    layers: list[nn.Module] = []
-    for _ in range(4):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(nn.LayerNorm(width), *layers).to(device)
-
-
-def train_call(
-    model: nn.Module,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    p: Precision,
-) -> Callable[[], None]:
-    """One SGD training step of ``model`` on ``(x, y)`` in ``p``'s precision.
-
-    Timed inside :func:`strict_fp32`, so "fp32" means full fp32 matmuls (no TF32); the
-    autocast variant's matmuls run in its reduced dtype whatever that setting.
-    """
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with p.autocast():
-            loss = loss_fn(model(x).float(), y)
-        p.backward(loss)
-        p.step(opt)
-
-    return step
 
 
 def _mlp_pair(info: DeviceInfo, size: tuple[int, int]) -> list[Callable[[], None]]:

@@ -19,105 +19,42 @@ another process holds it) becomes a note; the others still run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
 from anydevice.doctor.budget import Budget, Slot, sized
+from anydevice.doctor.levers import lever_steps
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
-from anydevice.doctor.results import DeviceSummary, Lever, Measured, Measurements, find
+from anydevice.doctor.results import DeviceSummary, Measured, Measurements
+from anydevice.doctor.workloads import (
+    PLANS,
+    Plan,
+    Progress,
+    Run,
+    Step,
+    copy_call,
+    math_mode,
+    matmul_call,
+    mlp,
+    powers,
+    reached,
+    threads_set,
+)
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.inventory import DeviceInfo, Inventory, format_bytes
+from anydevice.hardware.facts import DeviceInfo, format_bytes
+from anydevice.hardware.inventory import Inventory
 from anydevice.hardware.peaks import gpu_peak, pcie_peak
-from anydevice.measure.timing import format_time
-from anydevice.numerics.matmul import fast_matmul, strict_fp32
+from anydevice.measure.samples import format_time
 
-__all__ = [
-    "PLANS",
-    "DeviceSummary",
-    "Lever",
-    "Measured",
-    "Measurements",
-    "Plan",
-    "Progress",
-    "measure",
-    "strict_fp32",
-]
+__all__ = ["measure", "run_plan"]
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How long and how big: the run's time budget and the largest size of each timing."""
-
-    name: str
-    budget: float  #: seconds of measuring in all, whatever the devices' speed
-    sample: float  #: seconds a sample should last; sizes grow until a call does
-    copy_mib: int  #: largest MiB per host-device copy and per memory copy
-    cpu_matmul: int  #: largest n of the n x n matmul on a CPU
-    gpu_matmul: int  #: largest n on an accelerator
-    step: tuple[int, int]  #: (largest batch, width) of the training step run on every device
-    gpu_step: tuple[int, int]  #: the same for the autocast lever's step on accelerators
-    conv: tuple[int, int]  #: (largest batch, image side) of the channels_last lever on a CPU
-    gpu_conv: tuple[int, int]  #: the same on an accelerator
-    every_gpu: bool = False  #: measure every GPU, not one of each model
-
-
-PLANS: dict[str, Plan] = {
-    "quick": Plan(
-        "quick", 10.0, 0.005, 64, 1024, 4096, (128, 512), (2048, 2048), (8, 32), (64, 64)
-    ),
-    "default": Plan(
-        "default", 30.0, 0.01, 256, 2048, 8192, (256, 1024), (4096, 4096), (16, 64), (128, 128)
-    ),
-    "full": Plan(
-        "full",
-        180.0,
-        0.02,
-        1024,
-        4096,
-        16384,
-        (512, 2048),
-        (8192, 8192),
-        (32, 128),
-        (256, 224),
-        True,
-    ),
-}
-
-#: (steps done, steps in all, what runs next, seconds of the budget left)
-Progress = Callable[[int, int, str, float], None]
-Step = Callable[[Slot], None]
 #: Share of the budget kept back for what follows the last step (tables, advice).
 _RESERVE = 0.04
-
-
-@dataclass
-class Run:
-    """What the steps of one run collect, and the sizes they share."""
-
-    plan: Plan
-    results: list[Measured] = field(default_factory=list)
-    levers: list[Lever] = field(default_factory=list)
-    steps: dict[str, dict[str, tuple[float, str]]] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    step_size: tuple[int, int] | None = None  #: the side-by-side step, sized on the first device
-    free_cores: int | None = None  #: cores other processes left free, read before measuring
-    threads: int = 1  #: torch's threads when the run started
-
-    def add(self, m: Measured) -> Measured:
-        if m.threads is None:  # every number says the threads it was measured with
-            m = dataclasses.replace(m, threads=torch.get_num_threads())
-        self.results.append(m)
-        return m
-
-    def get(self, device: str, name: str) -> Measured | None:
-        return find(self.results, device, name)
 
 
 def measure(
@@ -170,8 +107,6 @@ def run_plan(
 ) -> Measurements:
     """Measure ``chosen`` with ``plan``; ``branch`` picks each device's steps by kind
     (default: its own kind; a CPU given ``"cuda"`` runs the GPU steps, as a smoke test)."""
-    from anydevice.doctor.levers import lever_steps
-
     # torch's first optimizer imports torch._dynamo (seconds on a slow machine): once, here,
     # not inside the first training step's share of the budget.
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
@@ -211,17 +146,6 @@ def run_plan(
         budget=plan.budget,
         load=load,
     )
-
-
-@contextlib.contextmanager
-def threads_set(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to ``n`` inside the block, restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _run_steps(
@@ -277,20 +201,6 @@ def _choose(inv: Inventory, plan: Plan) -> list[DeviceInfo]:
     return chosen
 
 
-def powers(lo: int, hi: int) -> list[int]:
-    """``lo``, ``2 lo``, ... up to ``hi``, which is always last.
-
-    >>> powers(64, 300)
-    [64, 128, 256, 300]
-    """
-    out = []
-    n = max(1, min(lo, hi))
-    while n < hi:
-        out.append(n)
-        n *= 2
-    return [*out, hi]
-
-
 def _steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float, Step]]:
     backend = runtime(kind)
     n = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
@@ -321,37 +231,6 @@ def _dtypes(info: DeviceInfo, kind: str) -> list[str]:
     if info.bf16 or not backend.tf32:  # a GPU without TF32 units has no bf16 ones either
         out.append("bf16")
     return [*out, "fp16"]
-
-
-TORCH_DTYPE = {
-    "fp32": torch.float32,
-    "tf32": torch.float32,
-    "fp32-medium": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
-
-
-def math_mode(dtype: str) -> contextlib.AbstractContextManager[Any]:
-    """The matmul settings a dtype is timed under."""
-    if dtype == "tf32":
-        return fast_matmul("high")
-    if dtype == "fp32-medium":
-        return fast_matmul("medium")
-    return strict_fp32() if dtype == "fp32" else contextlib.nullcontext()
-
-
-def matmul_call(dev: torch.device, dtype: str, n: int) -> Callable[[], object]:
-    """One n x n matmul of ``dtype`` on ``dev``, into a preallocated output."""
-    torch_dtype = TORCH_DTYPE[dtype]
-    a = torch.randn(n, n, device=dev, dtype=torch_dtype)
-    b = torch.randn(n, n, device=dev, dtype=torch_dtype)
-    return functools.partial(torch.mm, a, b, out=torch.empty(n, n, device=dev, dtype=torch_dtype))
-
-
-def reached(size: str, capped: bool) -> str:
-    """How a size was reached, for a detail line."""
-    return f"{size} (the next size would not fit in the time budget)" if capped else size
 
 
 def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Slot) -> None:
@@ -415,17 +294,6 @@ def _memory_copy(info: DeviceInfo, run: Run, slot: Slot) -> None:
             size,
         )
     )
-
-
-def copy_call(dev: torch.device, direction: str, pinned: bool, size: int) -> Callable[[], object]:
-    """One host <-> device copy of ``size`` bytes (pinned host memory where the device's
-    backend pins: CUDA)."""
-    pin = pinned and runtime(dev.type).pins_surely
-    host = torch.ones(size, dtype=torch.uint8, pin_memory=pin)
-    on_device = torch.empty(size, dtype=torch.uint8, device=dev)
-    if direction == "h2d":
-        return functools.partial(on_device.copy_, host, non_blocking=pin)
-    return functools.partial(host.copy_, on_device, non_blocking=pin)
 
 
 def _transfer(info: DeviceInfo, direction: str, pinned: bool, run: Run, slot: Slot) -> None:
@@ -492,6 +360,7 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
                 mfu_best if mode != "fp32" else mfu_fp32,
                 "; ".join(dict.fromkeys(x for x in (src, src_best) if x)),
                 " ".join(dict.fromkeys(x for x in (bad, bad_best) if x)),
+                d.is_accelerator,
             )
         )
     return tuple(rows)
@@ -500,7 +369,6 @@ def _summaries(chosen: Sequence[DeviceInfo], run: Run) -> tuple[DeviceSummary, .
 @functools.cache
 def _mlp_step_flops(batch: int, width: int) -> float:
     """FLOPs of one MLP training step, counted on the meta device (nothing runs)."""
-    from anydevice.doctor.levers import mlp
     from anydevice.measure.flops import flops
 
     meta = torch.device("meta")
@@ -582,8 +450,8 @@ def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load)
             )
         else:
             out.append(f"{head} Measure again when the machine is quiet.")
-    cpu = next((r for r in rows if r.device == "cpu"), None)
-    others = [r for r in rows if r.device != "cpu" and r.vs_cpu]
+    cpu = next((r for r in rows if not r.accelerator), None)
+    others = [r for r in rows if r.accelerator and r.vs_cpu]
     cores = inv.host.cores_usable or inv.host.cores_logical
     if others and cpu and cpu.step_best:
         top = max(others, key=lambda r: r.vs_cpu or 0.0)

@@ -254,7 +254,7 @@ def _step_bars(m: Measurements) -> list[tuple[str, float, str, str]]:
         if d.step_fp32 is None:
             continue
         color = _DEVICE_COLORS[len(bars) % len(_DEVICE_COLORS)]
-        vs = f", {d.vs_cpu:.3g}x the CPU" if d.vs_cpu and d.device != "cpu" else ""
+        vs = f", {d.vs_cpu:.3g}x the CPU" if d.vs_cpu and d.accelerator else ""
         invalid = ", MFU invalid (see the advice)" if d.mfu_invalid else ""
         fp32_mfu = invalid if d.mfu_fp32 is None else f", {d.mfu_fp32:.0%} MFU"
         best_mfu = invalid if d.mfu_best is None else f", {d.mfu_best:.0%} MFU"
@@ -267,7 +267,7 @@ def _step_bars(m: Measurements) -> list[tuple[str, float, str, str]]:
 
 def _steps(ax: Any, m: Measurements) -> None:
     """The same training step on every device: seconds per step, fp32 and best mode."""
-    from anydevice.measure.timing import format_time
+    from anydevice.measure.samples import format_time
 
     bars = _step_bars(m)
     rows = [d for d in m.devices if d.step_fp32 is not None]

@@ -11,14 +11,14 @@ from rich.table import Table
 from rich.text import Text
 
 from anydevice.hardware.render import render_inventory
-from anydevice.measure.timing import format_time
+from anydevice.measure.samples import format_time
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from anydevice.doctor import Report
-    from anydevice.doctor.measure import Measurements, Progress
-    from anydevice.doctor.results import DeviceSummary
+    from anydevice.doctor.results import DeviceSummary, Measurements
+    from anydevice.doctor.workloads import Progress
 
 __all__ = ["measuring", "render_measurements", "render_report"]
 

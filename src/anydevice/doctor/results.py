@@ -156,6 +156,8 @@ class DeviceSummary:
     #: why no MFU is given where one would exceed 100 % (the peak measured under other
     #: load than the step): "" when the MFUs are valid or simply unknown
     mfu_invalid: str = ""
+    #: an accelerator, not the host: its row is compared with the CPU's
+    accelerator: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,3 +214,20 @@ def _threads_verdict(levers: Sequence[Lever]) -> Lever | None:
 def find(results: Sequence[Measured], device: str, name: str) -> Measured | None:
     """The result of ``device`` named ``name``, or None."""
     return next((r for r in results if r.device == device and r.name == name), None)
+
+
+Status = Literal["ok", "info", "warn", "fail", "skip"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verdict: what was found (with the values) and, when something is off, the fix."""
+
+    name: str  #: stable id, e.g. "torch-build"
+    title: str  #: what is checked, for people
+    status: Status
+    summary: str
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

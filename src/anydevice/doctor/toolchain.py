@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from anydevice.doctor.checks import Check, Status
+from anydevice.doctor.results import Check, Status
 from anydevice.extension import find_compiler, find_ninja, find_nvcc
 from anydevice.hardware.inventory import Inventory
 

@@ -74,7 +74,8 @@ from anydevice.feeding.resume import sampler_generator, skip_at_sampler
 from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.selection import DeviceLike, resolve
+from anydevice.hardware.selection import resolve
+from anydevice.hardware.spec import DeviceLike
 from anydevice.placement.move import to
 
 __all__ = ["DeviceLoader", "LoaderStats"]
@@ -150,7 +151,7 @@ class LoaderStats:
         return f"compute-bound: the next batch was ready {1 - share:.0%} of the time"
 
     def __repr__(self) -> str:
-        from anydevice.hardware.inventory import format_bytes
+        from anydevice.hardware.facts import format_bytes
 
         step = self.total_seconds / self.batches if self.batches else 0.0
         parts = [

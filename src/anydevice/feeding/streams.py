@@ -47,7 +47,7 @@ from typing import Any, Literal
 import torch
 
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.selection import DeviceLike
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["copy_stream", "side_stream", "stream_device", "stream_for"]
 

@@ -1,7 +1,7 @@
 """Choosing the freest GPUs: the rule behind ``ad.device("free")`` and ``anydevice select``.
 
 Most free memory first; on a tie, the less busy; then the lower index. The rule works on
-:class:`~anydevice.hardware.inventory.DeviceInfo` data alone (no torch, no hardware), so it is
+:class:`~anydevice.hardware.facts.DeviceInfo` data alone (no torch, no hardware), so it is
 tested with hand-built inventories and shared by the library and the command line.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from anydevice.errors import DeviceNotFoundError, VisibilityError
-from anydevice.hardware.inventory import DeviceInfo, format_bytes
+from anydevice.hardware.facts import DeviceInfo, format_bytes
 
 if TYPE_CHECKING:
     from anydevice.hardware.backends.nvml import GpuRecord

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from anydevice.hardware.inventory import ProcessInfo
+from anydevice.hardware.facts import ProcessInfo
 
 if TYPE_CHECKING:
     from anydevice.hardware.backends.nvml import GpuRecord

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from anydevice.hardware.inventory import DeviceInfo
+from anydevice.hardware.facts import DeviceInfo
 
 __all__ = ["GpuPeak", "gpu_peak", "pcie_peak"]
 

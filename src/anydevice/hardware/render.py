@@ -10,10 +10,11 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from anydevice.hardware.inventory import DeviceInfo, HostInfo, Inventory, format_bytes
+from anydevice.hardware.facts import DeviceInfo, HostInfo, format_bytes
 
 if TYPE_CHECKING:
     from anydevice.hardware.gpuwatch import Reading
+    from anydevice.hardware.inventory import Inventory
 
 __all__ = ["device_table", "host_table", "render_inventory", "top_view"]
 

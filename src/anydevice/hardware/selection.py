@@ -1,9 +1,6 @@
-"""Which device: the spec grammar and the policies that turn a spec into a ``torch.device``.
+"""Which device: the policies that turn a spec into a ``torch.device``, and the one resolver.
 
-Grammar (case-insensitive)::
-
-    auto | cpu | gpu[:i] | cuda[:i] | mps | xpu[:i] | xla[:i] | tpu[:i] | free | int | torch.device
-    | <name>[:i]   (any other accelerator torch knows: the privateuse1 backend's name, e.g. npu)
+The grammar is :mod:`anydevice.hardware.spec`'s; what its words name here:
 
 * ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS, then any other torch knows),
   else the CPU. Under a
@@ -22,35 +19,23 @@ inventory and call them.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
 from anydevice.hardware.choice import DEVICE_VARIABLE, device_override, free_key as _free_key
-from anydevice.hardware.inventory import (
-    ACCELERATOR_KINDS,
-    DeviceInfo,
-    Inventory,
-    format_bytes,
-    inventory,
-    parse_size as parse_size,  # its home moved; same public name
-)
+from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, format_bytes, parse_size
+from anydevice.hardware.inventory import Inventory, inventory
+from anydevice.hardware.spec import NO_INDEX, DeviceLike, Spec, generic_kinds, parse_spec
 
 __all__ = [
-    "DeviceLike",
-    "Spec",
     "current_indices",
     "describe",
     "device",
     "devices",
-    "parse_size",
-    "parse_spec",
     "resolve",
     "restrict_visible",
     "select",
@@ -62,115 +47,13 @@ __all__ = [
 
 logger = logging.getLogger("anydevice")
 
-#: What every function that takes a device accepts.
-DeviceLike = torch.device | str | int
 
-_KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
-#: "tpu" is torch_xla's device, unless torch has a backend of that name (a native TPU
-#: backend, which torch_xla's successor is planned to be: pytorch/xla#9684).
-_ALIASES = {"tpu": "xla"}
 _GPU_KINDS = ("cuda", "xpu", "mps")
-_INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A parsed device spec: ``Spec("cuda", 1)`` for ``"cuda:1"``."""
-
-    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free, meta, or an accelerator's name
-    index: int | None = None
-    text: str = ""  #: as the caller wrote it, for messages
-    source: str = "argument"  #: or "ANYDEVICE_DEVICE"
-
-    def __str__(self) -> str:
-        return self.text or (self.kind if self.index is None else f"{self.kind}:{self.index}")
-
-
-def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
-    """Parse a device spec without looking at the hardware.
-
-    >>> parse_spec("CUDA:1")
-    Spec(kind='cuda', index=1, text='CUDA:1', source='argument')
-    >>> parse_spec(2).kind, parse_spec("tpu").kind
-    ('gpu', 'xla')
-
-    Raises:
-        DeviceSpecError: malformed text (``"cuda:x"``, ``"gpu:-1"``, ``"cuda:0,1"``).
-        TypeError: not a str, int or torch.device.
-    """
-    if isinstance(spec, torch.device):
-        return Spec(_check_kind(spec.type, str(spec), source), spec.index, str(spec), source)
-    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
-        raise TypeError(
-            f"a device spec is a str, int or torch.device, not {type(spec).__name__} "
-            f"({spec!r}). Pass e.g. 'auto', 'cpu', 'cuda:0' or 1."
-        )
-    if isinstance(spec, int):
-        if spec < 0:
-            raise DeviceSpecError(f"GPU index {spec} is negative; indices start at 0.")
-        return Spec("gpu", spec, str(spec), source)
-    text = spec.strip().lower()
-    origin = "" if source == "argument" else f" (from {source})"
-    if "," in text:
-        raise DeviceSpecError(
-            f"{spec!r}{origin} names several devices, but one is wanted here. Use "
-            f"ad.devices({spec!r}) for a list, or ad.restrict_visible({spec!r}) to hide the rest."
-        )
-    if text.isdigit():
-        return Spec("gpu", int(text), spec, source)
-    kind, sep, index_text = text.partition(":")
-    if kind in _ALIASES and kind not in _generic_kinds():  # a backend named "tpu" is itself
-        kind = _ALIASES[kind]
-    kind = _check_kind(kind, spec, source)
-    if not sep:
-        return Spec(kind, None, spec, source)
-    if not re.fullmatch(r"[+-]?\d+", index_text.strip()):
-        raise DeviceSpecError(
-            f"{spec!r}{origin}: the index after ':' must be a whole number, as in '{kind}:0'."
-        )
-    index = int(index_text)
-    if index < 0:
-        raise DeviceSpecError(f"{spec!r}{origin}: device index {index} is negative; use {kind}:0.")
-    if kind == "cpu":
-        if index != 0:
-            raise DeviceSpecError(f"{spec!r}{origin}: there is one CPU device; use 'cpu'.")
-        return Spec("cpu", None, spec, source)
-    if kind not in _INDEXED and kind not in _generic_kinds():
-        raise DeviceSpecError(f"{spec!r}{origin}: '{kind}' takes no index; use '{kind}'.")
-    return Spec(kind, index, spec, source)
-
-
-def _check_kind(kind: str, spec: object, source: str) -> str:
-    if kind in _KINDS:
-        return kind
-    generic = _generic_kinds()
-    if kind in generic:
-        return kind
-    close = difflib.get_close_matches(kind, [*_KINDS, "tpu", *generic], n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    origin = "" if source == "argument" else f" (from {source})"
-    registered = (
-        "".join(f"{g}[:i], " for g in generic)
-        if generic
-        else "<name>[:i] (the name an accelerator's backend registers with torch), "
-    )
-    tpu = "" if "tpu" in generic else "tpu[:i], "  # a backend named tpu is listed as such
-    raise DeviceSpecError(
-        f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        f"mps, xpu[:i], xla[:i], {tpu}{registered}free, meta, an int, or a torch.device."
-    )
-
-
-def _generic_kinds() -> tuple[str, ...]:
-    """Accelerator device types torch knows beyond the named kinds (``npu``, ...)."""
-    from anydevice.hardware.backends.generic import kinds
-
-    return kinds()
 
 
 def _auto_kinds() -> tuple[str, ...]:
     """Accelerator kinds in the order ``auto`` prefers them: the named, then the generic."""
-    return (*ACCELERATOR_KINDS, *_generic_kinds())
+    return (*ACCELERATOR_KINDS, *generic_kinds())
 
 
 # ----------------------------------------------------------------------------- policies
@@ -228,7 +111,7 @@ def select_all(spec: Spec, inv: Inventory) -> list[DeviceInfo]:
     """Every device ``spec`` covers: ``cuda`` gives all CUDA devices; ``gpu`` all GPUs or
     the CPU when there is none; ``auto`` all devices of the best accelerator, else the CPU;
     ``free`` all GPUs, most free memory first."""
-    if spec.index is not None or spec.kind in ("cpu", "meta"):
+    if spec.index is not None or spec.kind in NO_INDEX:
         return [select(spec, inv)]
     if spec.kind == "auto":
         for kind in _auto_kinds():
@@ -373,8 +256,11 @@ def _index_message(
 ) -> str:
     kind = candidates[0].kind
     n = len(candidates)
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    where = f" (CUDA_VISIBLE_DEVICES={cvd!r})" if kind == "cuda" and cvd is not None else ""
+    from anydevice.hardware.backends import runtime
+
+    variable = runtime(kind).visibility_variable
+    shown = env.get(variable) if variable else None
+    where = f" ({variable}={shown!r})" if shown is not None else ""
     names = [d.spec for d in candidates]
     options = names[0] if n == 1 else ", ".join(names[:-1]) + f" or {names[-1]}"
     origin = "" if spec.source == "argument" else f" (from {spec.source})"
@@ -397,13 +283,6 @@ def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> 
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-#: Device types that take no index.
-_NO_INDEX = frozenset({"cpu", "meta"})
-
-#: Device types that take no index.
-_NO_INDEX = frozenset({"cpu", "meta"})
 
 
 def _resolve_auto(spec: DeviceLike) -> Spec:
@@ -467,7 +346,7 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
         need = None if need_memory is None else parse_size(need_memory)
     except (TypeError, DeviceSpecError) as e:
         raise type(e)(f"need_memory={need_memory!r}: {e}") from None
-    if need is None and parsed.kind in ("cpu", "meta"):
+    if need is None and parsed.kind in NO_INDEX:
         return torch.device(parsed.kind)  # nothing to look up
     # Free memory is read only for the policies that compare it.
     inv = _inventory_for(parsed, memory=need is not None or parsed.kind == "free")
@@ -490,7 +369,7 @@ def resolve(spec: DeviceLike) -> torch.device:
     device(type='meta')
     """
     if type(spec) is torch.device:
-        if spec.type in _NO_INDEX:
+        if spec.type in NO_INDEX:
             return spec
         if spec not in _CHECKED:
             _check_device(spec)
@@ -572,7 +451,7 @@ def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.devi
         found = [device(s) for s in spec]
         return list(dict.fromkeys(found))
     parsed = _resolve_auto(spec)  # type: ignore[arg-type]  # None and other non-specs: TypeError
-    if parsed.kind in ("cpu", "meta"):
+    if parsed.kind in NO_INDEX:
         return [torch.device(parsed.kind)]
     inv = _inventory_for(parsed, memory=parsed.kind == "free")
     return [d.torch_device for d in select_all(parsed, inv)]

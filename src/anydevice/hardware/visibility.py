@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError
-from anydevice.hardware.inventory import DeviceInfo
-from anydevice.hardware.selection import parse_spec
+from anydevice.hardware.facts import DeviceInfo
+from anydevice.hardware.spec import parse_spec
 
 __all__ = ["visible_items", "visible_value"]
 

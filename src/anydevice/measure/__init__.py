@@ -4,8 +4,9 @@
 Modules:
 
 * :mod:`~anydevice.measure.clocks`: waiting for a device, and the clock a measurement uses.
-* :mod:`~anydevice.measure.timing`: ``ad.timeit``, :class:`~anydevice.Timer` and
-  :class:`~anydevice.Measurement` (statistics only; FLOPs and peaks annotate it).
+* :mod:`~anydevice.measure.samples`: :class:`~anydevice.Measurement` (statistics only;
+  FLOPs and peaks annotate it), ``autorange`` and the sampling loop.
+* :mod:`~anydevice.measure.timing`: ``ad.timeit`` and :class:`~anydevice.Timer`.
 * :mod:`~anydevice.measure.flops`: ``ad.flops``, the work of one call.
 * :mod:`~anydevice.measure.throughput`: peaks per dtype and the
   :class:`~anydevice.Throughput` meter (MFU).

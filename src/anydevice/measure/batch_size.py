@@ -15,12 +15,13 @@ from collections.abc import Callable
 import torch
 
 from anydevice.errors import BatchSizeError
-from anydevice.hardware.selection import DeviceLike
+from anydevice.hardware.spec import DeviceLike
 from anydevice.measure.clocks import active_device
 from anydevice.measure.memory import free_memory, memory
 from anydevice.measure.memory_history import oom_snapshot
+from anydevice.measure.memory_readings import is_out_of_memory
 
-__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "is_out_of_memory", "search"]
+__all__ = ["MAX_BATCH_SIZE", "fit_batch_size", "search"]
 
 logger = logging.getLogger("anydevice")
 
@@ -28,24 +29,6 @@ logger = logging.getLogger("anydevice")
 MAX_BATCH_SIZE = 2**31
 
 _FITS, _OOM, _FAILED = 1, 0, -1
-
-#: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
-#: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
-#: older XPU extension, CUDA calls outside the caching allocator, the CUDA libraries'
-#: own allocation failures (cuBLAS handle and workspace, cuDNN, cuFFT, cuSOLVER,
-#: cuSPARSE), cuDNN finding no convolution algorithm whose workspace fits, and the text of
-#: a CUDA OutOfMemoryError that was re-raised as another type.
-_OOM_TEXTS = (
-    "DefaultCPUAllocator: can't allocate memory",
-    "MPS backend out of memory",
-    "XPU out of memory",
-    "CUDA error: out of memory",
-    "CUDA out of memory",
-    "HIP out of memory",
-    "_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_, HIPBLAS_
-    "CUFFT_ALLOC_FAILED",
-    "Unable to find a valid cuDNN algorithm",
-)
 
 
 def fit_batch_size(
@@ -164,47 +147,6 @@ def _check_bounds(start: int, low: int, high: int | None, margin: float) -> None
             f"fit_batch_size: margin={margin!r} must be in (0, 1]: the fraction of the largest "
             "size that fits to return (0.9 leaves 10 % for fragmentation and longer inputs)."
         )
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` means "out of memory", on any device torch supports.
-
-    ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
-    RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
-    can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
-    extension, CUDA calls outside the caching allocator ("CUDA error: out of memory"), the
-    CUDA libraries' allocation failures (``CUBLAS_STATUS_ALLOC_FAILED`` and the like), and
-    cuDNN finding no algorithm whose workspace fits.
-
-    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
-    True
-    >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
-    False
-
-    An error raised *because of* one of those counts too: the chain of ``__cause__``
-    (``raise ... from oom``, as ``torch._dynamo`` wraps backend failures) and
-    ``__context__`` (an error raised while handling it) is followed, except where
-    ``raise ... from None`` cut it.
-
-    >>> try:
-    ...     try:
-    ...         raise torch.OutOfMemoryError("CUDA out of memory.")
-    ...     except RuntimeError as oom:
-    ...         raise ValueError("backend failed") from oom
-    ... except ValueError as wrapped:
-    ...     is_out_of_memory(wrapped)
-    True
-    """
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-            return True
-        if isinstance(e, RuntimeError) and any(text in str(e) for text in _OOM_TEXTS):
-            return True
-        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
-    return False
 
 
 def search(fits: Callable[[int], bool], *, start: int, low: int, high: int) -> int | None:

@@ -80,7 +80,7 @@ class IdleTime:
 
     def summary(self) -> str:
         """One line for people."""
-        from anydevice.measure.timing import format_time
+        from anydevice.measure.samples import format_time
 
         span = format_time(self.window)
         if self.active is None or self.idle_share is None:

@@ -35,8 +35,9 @@ import torch
 
 from anydevice.errors import MeasurementError
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.inventory import format_bytes
-from anydevice.hardware.selection import DeviceLike, resolve
+from anydevice.hardware.facts import format_bytes
+from anydevice.hardware.selection import resolve
+from anydevice.hardware.spec import DeviceLike
 from anydevice.measure.clocks import active_device, synchronize
 from anydevice.measure.memory_history import History
 from anydevice.measure.memory_readings import (
@@ -73,7 +74,7 @@ def _is_host(device: torch.device) -> bool:
 
 def _resolve_memory_device(device: DeviceLike | None) -> torch.device:
     dev = active_device() if device is None else resolve(device)
-    if dev.type == "meta":
+    if not runtime(dev.type).holds_data:
         raise ValueError("the meta device holds no data, so it has no memory to read")
     return dev
 

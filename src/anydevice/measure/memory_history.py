@@ -27,12 +27,14 @@ from typing import TypeVar
 import torch
 
 from anydevice.errors import MeasurementError
+from anydevice.hardware.backends import runtime
 from anydevice.hardware.backends.torch_private import (
     record_memory_history,
     snapshot_memory,
     trace_plot,
 )
-from anydevice.hardware.selection import DeviceLike, resolve
+from anydevice.hardware.selection import resolve
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["MAX_ENTRIES", "History", "OomSnapshot", "check_history", "html_path", "oom_snapshot"]
 
@@ -46,7 +48,7 @@ PathLike = str | os.PathLike[str]
 
 def check_history(device: torch.device) -> None:
     """Raise unless ``device`` keeps an allocator history torch can record."""
-    if device.type != "cuda":
+    if not runtime(device.type).keeps_history:
         raise MeasurementError(
             f"a memory snapshot needs CUDA's caching allocator, which records allocation "
             f"history; {device} keeps none. Track the peak without snapshot=, or record "
@@ -113,7 +115,7 @@ class OomSnapshot:
         _start(max_entries)
 
     def wrap(self, fn: Callable[[int], T]) -> Callable[[int], T]:
-        from anydevice.measure.batch_size import is_out_of_memory
+        from anydevice.measure.memory_readings import is_out_of_memory
 
         def watched(size: int) -> T:
             try:

@@ -1,11 +1,12 @@
 """How each device's memory is read, and how its cache is given back.
 
-:mod:`anydevice.measure.memory` builds :func:`~anydevice.measure.memory`, ``track_memory`` and
+:mod:`anydevice.measure.memory` builds ``ad.memory``, ``track_memory`` and
 ``free_memory`` on these readings. Each is its device's backend's
-(:class:`anydevice.hardware.backends.Backend`): the caching allocator's counters through the device
-module or ``torch.accelerator`` for CUDA, XPU and any other accelerator that keeps them, one
-implementation for all; MPS's two numbers, torch_xla's memory info and the CPU's resident
-set where those kinds differ.
+(:class:`anydevice.hardware.backends.Backend`): the caching allocator's counters through
+the device module or ``torch.accelerator`` for CUDA, XPU and any other accelerator that
+keeps them, one implementation for all; MPS's two numbers, torch_xla's memory info and
+the CPU's resident set where those kinds differ. And what "out of memory" looks like on each
+(:func:`is_out_of_memory`), for the batch-size search and the history's snapshot on OOM.
 
 >>> read(torch.device("cpu")).allocated > 0
 True
@@ -26,6 +27,7 @@ __all__ = [
     "device_free_total",
     "empty_cache",
     "initialized",
+    "is_out_of_memory",
     "peak_rss",
     "read",
     "reset_peak",
@@ -83,3 +85,63 @@ def device_free_total(device: torch.device) -> tuple[int | None, int | None, lis
 def empty_cache(device: torch.device) -> None:
     """Give ``device``'s cached memory back (the CPU: freed heap pages to the system)."""
     _backend(device).empty_cache(device)
+
+
+#: Out-of-memory errors that torch raises as a plain RuntimeError (checked in its sources):
+#: the CPU allocator, MPS (TORCH_CHECK, not OutOfMemoryError, as of torch 2.13), Intel's
+#: older XPU extension, CUDA calls outside the caching allocator, the CUDA libraries'
+#: own allocation failures (cuBLAS handle and workspace, cuDNN, cuFFT, cuSOLVER,
+#: cuSPARSE), cuDNN finding no convolution algorithm whose workspace fits, and the text of
+#: a CUDA OutOfMemoryError that was re-raised as another type.
+_OOM_TEXTS = (
+    "DefaultCPUAllocator: can't allocate memory",
+    "MPS backend out of memory",
+    "XPU out of memory",
+    "CUDA error: out of memory",
+    "CUDA out of memory",
+    "HIP out of memory",
+    "_STATUS_ALLOC_FAILED",  # CUBLAS_, CUDNN_, CUSOLVER_, CUSPARSE_, HIPBLAS_
+    "CUFFT_ALLOC_FAILED",
+    "Unable to find a valid cuDNN algorithm",
+)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` means "out of memory", on any device torch supports.
+
+    ``torch.OutOfMemoryError`` (CUDA, XPU, ROCm), Python's ``MemoryError``, and the
+    RuntimeErrors torch raises for the others: its CPU allocator ("DefaultCPUAllocator:
+    can't allocate memory"), MPS ("MPS backend out of memory"), Intel's older XPU
+    extension, CUDA calls outside the caching allocator ("CUDA error: out of memory"), the
+    CUDA libraries' allocation failures (``CUBLAS_STATUS_ALLOC_FAILED`` and the like), and
+    cuDNN finding no algorithm whose workspace fits.
+
+    >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    True
+    >>> is_out_of_memory(RuntimeError("expected all tensors on the same device"))
+    False
+
+    An error raised *because of* one of those counts too: the chain of ``__cause__``
+    (``raise ... from oom``, as ``torch._dynamo`` wraps backend failures) and
+    ``__context__`` (an error raised while handling it) is followed, except where
+    ``raise ... from None`` cut it.
+
+    >>> try:
+    ...     try:
+    ...         raise torch.OutOfMemoryError("CUDA out of memory.")
+    ...     except RuntimeError as oom:
+    ...         raise ValueError("backend failed") from oom
+    ... except ValueError as wrapped:
+    ...     is_out_of_memory(wrapped)
+    True
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(e, RuntimeError) and any(text in str(e) for text in _OOM_TEXTS):
+            return True
+        e = e.__cause__ if e.__cause__ is not None or e.__suppress_context__ else e.__context__
+    return False

@@ -25,7 +25,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal, TextIO, TypeVar
 import torch
 
 from anydevice.errors import MeasurementError
-from anydevice.hardware.selection import DeviceLike
+from anydevice.hardware.spec import DeviceLike
 
 if TYPE_CHECKING:
     from anydevice.measure.idle import IdleTime

@@ -41,7 +41,8 @@ import torch
 
 from anydevice.errors import MeasurementError
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.selection import DeviceLike, resolve
+from anydevice.hardware.selection import resolve
+from anydevice.hardware.spec import DeviceLike
 from anydevice.measure.clocks import active_device
 from anydevice.numerics.matmul import MathSettings, strict_fp32
 
@@ -151,9 +152,9 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
         A :class:`Peak`, or None when no peak is known for this dtype here.
     """
     dev = active_device() if device is None else resolve(device)
-    if dev.type == "meta":
-        return None
     backend = runtime(dev.type)
+    if not backend.holds_data:
+        return None
     if not backend.is_host:  # an accelerator the datasheet table may list
         from anydevice.hardware.peaks import gpu_peak
         from anydevice.hardware.selection import describe
@@ -182,7 +183,7 @@ def _measured_peak(device: str, dtype: str, threads: int) -> tuple[float, int]:
     bf16, ~0.3 GFLOP/s, stops at the first size) or reach the cap. Kept for the process
     (per number of CPU threads): the hardware does not change under it.
     """
-    from anydevice.measure.timing import timeit
+    from anydevice.measure.samples import sample
 
     dev = torch.device(device)
     cap = _MEASURE_MAX_N.get(dev.type, _MEASURE_MAX_N_ACCELERATOR)
@@ -191,7 +192,9 @@ def _measured_peak(device: str, dtype: str, threads: int) -> tuple[float, int]:
         a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
         b = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
         with _math_for(dev, dtype):
-            seconds = timeit(torch.mm, a, b, warmup=1, min_time=0.1, device=dev).median
+            mm = functools.partial(torch.mm, a, b)
+            mm()  # the warm-up: kernel choice, caches
+            seconds = sample(mm, dev, label=f"mm {n}", warmup=1, min_time=0.1).median
         del a, b
         rate = 2 * n**3 / seconds / 1e12
         if rate > best:
@@ -225,7 +228,7 @@ def _math_for(dev: torch.device, dtype: str) -> contextlib.AbstractContextManage
 def rates_for(
     counted: int | float | FlopCount, dev: torch.device, args: tuple[Any, ...]
 ) -> dict[str, Any]:
-    """The ``flops`` and ``peak`` fields of a :class:`~anydevice.measure.timing.Measurement`: a
+    """The ``flops`` and ``peak`` fields of a :class:`~anydevice.measure.samples.Measurement`: a
     number of FLOPs runs in the dtype in use at the call, a ``FlopCount`` in its own."""
     if isinstance(counted, (int, float)):
         dtype = _dtype_in_use(dev, args)
@@ -233,7 +236,7 @@ def rates_for(
     else:
         dtype = counted.dtype or dtype_name(torch.float32, dev)
         total = counted.total
-    return {"flops": total, "peak": peak_tflops(dev, dtype) if dev.type != "meta" else None}
+    return {"flops": total, "peak": peak_tflops(dev, dtype)}
 
 
 def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
@@ -313,7 +316,7 @@ class ThroughputStats:
         }
 
     def __repr__(self) -> str:
-        from anydevice.measure.timing import format_time
+        from anydevice.measure.samples import format_time
 
         parts = [f"{self.steps} steps, {format_time(self.step_time)}/step"]
         if self.samples_per_s is not None:

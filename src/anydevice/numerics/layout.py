@@ -1,7 +1,7 @@
 """Memory layout: :func:`channels_last` converts a model's convolutions where NHWC pays.
 
 The rule (:func:`channels_last_pays`) is a pure function of a
-:class:`~anydevice.hardware.inventory.DeviceInfo`:
+:class:`~anydevice.hardware.facts.DeviceInfo`:
 
 * CUDA with Tensor Cores (compute capability >= 7.0): yes. cuDNN's Tensor Core convolutions
   work in NHWC; NCHW costs a transpose around each one. PyTorch's memory-format tutorial
@@ -24,8 +24,9 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from anydevice.hardware.inventory import DeviceInfo
-from anydevice.hardware.selection import DeviceLike, describe, device as selection_device
+from anydevice.hardware.facts import DeviceInfo
+from anydevice.hardware.selection import describe, device as selection_device
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["channels_last", "channels_last_pays"]
 
@@ -40,7 +41,7 @@ _CONV3D = (nn.Conv3d, nn.ConvTranspose3d)
 def channels_last_pays(info: DeviceInfo) -> tuple[bool, str]:
     """Whether channels_last convolutions pay on this device, and why (pure).
 
-    >>> from anydevice.hardware.inventory import DeviceInfo
+    >>> from anydevice.hardware.facts import DeviceInfo
     >>> channels_last_pays(DeviceInfo(kind="mps", index=0, name="Apple M2 GPU"))[0]
     False
     """

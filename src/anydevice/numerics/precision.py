@@ -40,8 +40,9 @@ import torch
 from torch.optim import Optimizer
 
 from anydevice.errors import PrecisionError, StepOrderError
-from anydevice.hardware.inventory import DeviceInfo
-from anydevice.hardware.selection import DeviceLike, describe
+from anydevice.hardware.facts import DeviceInfo
+from anydevice.hardware.selection import describe
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["Mode", "ModeLike", "Precision", "StepResult", "precision"]
 
@@ -284,11 +285,11 @@ class Precision:
     """A device's precision mode: autocast, and gradient scaling when (only when) fp16.
 
     Made by :func:`precision`; ``Precision(info, mode)`` decides from a hand-built
-    :class:`~anydevice.hardware.inventory.DeviceInfo` without touching any hardware. The model,
+    :class:`~anydevice.hardware.facts.DeviceInfo` without touching any hardware. The model,
     optimizer and loss stay the user's own; this object holds only the fp16 loss scaler
     (a plain ``torch.amp.GradScaler``, created on first use) and which step it is in.
 
-    >>> from anydevice.hardware.inventory import DeviceInfo
+    >>> from anydevice.hardware.facts import DeviceInfo
     >>> v100 = DeviceInfo(kind="cuda", index=0, name="Tesla V100", compute_capability=(7, 0))
     >>> p = Precision(v100)
     >>> p.mode, p.dtype, p.scaled

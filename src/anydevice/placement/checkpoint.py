@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from anydevice.errors import CheckpointError
-from anydevice.hardware.inventory import format_bytes
-from anydevice.hardware.selection import DeviceLike, device as _select_device
+from anydevice.hardware.facts import format_bytes
+from anydevice.hardware.selection import device as _select_device
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["load", "save"]
 

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from anydevice.errors import DeviceMismatchError, NoTensorError
+from anydevice.hardware.backends import runtime
 from anydevice.placement.move import ATOMIC
 
 Tensor = torch.Tensor
@@ -341,7 +342,12 @@ def _collapse(
 
 def _suggest(devices: Mapping[torch.device, int]) -> torch.device:
     """The device to move everything to: the accelerator most tensors are on, else CPU."""
-    ranked = sorted(devices.items(), key=lambda kv: (kv[0].type in ("cpu", "meta"), -kv[1]))
+
+    def accelerator(dev: torch.device) -> bool:
+        backend = runtime(dev.type)
+        return backend.holds_data and not backend.is_host
+
+    ranked = sorted(devices.items(), key=lambda kv: (not accelerator(kv[0]), -kv[1]))
     return ranked[0][0] if ranked else torch.device("cpu")
 
 

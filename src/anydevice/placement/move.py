@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from anydevice.errors import MoveError
-from anydevice.hardware.selection import DeviceLike, resolve
+from anydevice.hardware.selection import resolve
+from anydevice.hardware.spec import DeviceLike
 
 __all__ = ["ATOMIC", "MAX_DEPTH", "NonBlocking", "target_device", "to"]
 

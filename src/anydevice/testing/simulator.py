@@ -90,7 +90,7 @@ def parse_bandwidth(value: float | str | None) -> float:
     >>> parse_bandwidth(None)
     inf
     """
-    from anydevice.hardware.inventory import parse_size
+    from anydevice.hardware.facts import parse_size
 
     if value is None:
         return math.inf
@@ -125,7 +125,7 @@ def parse_bandwidth(value: float | str | None) -> float:
 
 
 def _capacity_bytes(capacity: int | str | None) -> int:
-    from anydevice.hardware.inventory import parse_size
+    from anydevice.hardware.facts import parse_size
 
     if capacity is None:
         return -1

@@ -2,6 +2,19 @@
 
 Each backend implements :class:`~anydevice.hardware.backends.base.Backend`. Modules load on first
 use, so ``import anydevice`` imports none of them (nor NVML, nor ``torch_xla``).
+
+Modules:
+
+* :mod:`~anydevice.hardware.backends.base` — :class:`Backend`: discovery and the run-time
+  interface (streams, events, synchronisation, memory), written once on torch's
+  device-generic API; a kind differs by flags and the few methods it overrides.
+* :mod:`~anydevice.hardware.backends.cpu` — the CPU and the host's facts.
+* :mod:`~anydevice.hardware.backends.cuda` — NVIDIA GPUs, read without CUDA;
+  :mod:`~anydevice.hardware.backends.nvml` — NVML: physical GPUs, MIG, drivers.
+* :mod:`~anydevice.hardware.backends.mps`, :mod:`~anydevice.hardware.backends.xpu`,
+  :mod:`~anydevice.hardware.backends.xla` — Apple, Intel, XLA devices.
+* :mod:`~anydevice.hardware.backends.generic` — any other accelerator torch knows.
+* :mod:`~anydevice.hardware.backends.torch_private` — torch's private names, in one place.
 """
 
 from __future__ import annotations
@@ -58,7 +71,14 @@ def runtime(kind: str) -> Backend:
     try:
         return get(kind)
     except KeyError:
-        return _unclaimed()
+        return _meta() if kind == "meta" else _unclaimed()
+
+
+@cache
+def _meta() -> Backend:
+    from anydevice.hardware.backends.base import Meta
+
+    return Meta()
 
 
 @cache

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from anydevice.hardware.inventory import DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +89,20 @@ class Backend(ABC):
     #: Timing events (``torch.Event(enable_timing=True)``) time work here: True, False, or
     #: None where only trying tells (a backend without ``elapsedTime``).
     times_events: ClassVar[bool | None] = None
+    #: Its tensors hold data (everything but ``meta``): memory to read, peaks to reach.
+    holds_data: ClassVar[bool] = True
+    #: Probed even when not asked for: the CPU (the host's facts) and CUDA (the driver's
+    #: facts, and GPUs a CPU-only torch cannot use).
+    always_probed: ClassVar[bool] = False
+    #: The caching allocator records a history torch can snapshot
+    #: (``torch.cuda.memory._record_memory_history``: CUDA and ROCm).
+    keeps_history: ClassVar[bool] = False
+    #: ``nn.DataParallel`` drives several of these devices from one process (CUDA only).
+    data_parallel: ClassVar[bool] = False
+    #: ``DistributedDataParallel`` takes ``device_ids=[i]`` for a module on one device.
+    ddp_device_ids: ClassVar[bool] = False
+    #: The variable that chooses which devices of this kind a process sees, for messages.
+    visibility_variable: ClassVar[str | None] = None
 
     @abstractmethod
     def probe(self, *, telemetry: bool = True) -> Probe:
@@ -316,6 +330,11 @@ class Backend(ABC):
             tried[device] = known
         return bool(known)
 
+    def collective_refusal(self, backend: str) -> str | None:
+        """Why the process-group backend ``backend`` cannot serve this kind, with what to
+        do; None where it can (XLA refuses gloo)."""
+        return None
+
     def set_device(self, device: torch.device) -> None:
         """Make ``device`` current on the calling thread (pinning then makes no context on
         device 0 of a GPU machine)."""
@@ -344,6 +363,14 @@ class Unclaimed(Backend):
 
     def synchronize(self, device: torch.device) -> None:
         return None
+
+
+class Meta(Unclaimed):
+    """``meta``: tensors with shapes and dtypes but no data (FLOP counting, planning)."""
+
+    kind = "meta"
+    label = "meta (no data)"
+    holds_data = False
 
 
 def device_module(kind: str) -> Any | None:

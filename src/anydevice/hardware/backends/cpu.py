@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.hardware import torchbuild
 from anydevice.hardware.backends.base import Backend, Counters, Probe
-from anydevice.hardware.inventory import DeviceInfo
+from anydevice.hardware.facts import DeviceInfo
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,7 @@ class CpuBackend(Backend):
     label = "CPU"
 
     is_host = True
+    always_probed = True
     math_backend = "mkldnn"  # oneDNN: bf16, or TF32 on some CPUs
 
     def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:

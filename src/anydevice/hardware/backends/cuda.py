@@ -35,7 +35,7 @@ from anydevice.hardware.backends import nvml
 from anydevice.hardware.backends.base import Backend, Probe
 from anydevice.hardware.backends.nvml import GpuRecord, NvmlUnavailable
 from anydevice.hardware.backends.torch_private import cudnn_binding, primary_context_query
-from anydevice.hardware.inventory import DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch
@@ -377,6 +377,11 @@ class CudaBackend(Backend):
     times_events = True
     tf32 = True
     math_backend = "cuda"
+    always_probed = True
+    keeps_history = True
+    data_parallel = True
+    ddp_device_ids = True
+    visibility_variable = "CUDA_VISIBLE_DEVICES"
 
     policies_need_facts = True
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from anydevice.hardware.backends.base import Backend, Probe, device_module
 from anydevice.hardware.backends.torch_private import privateuse1_name
-from anydevice.hardware.inventory import ACCELERATOR_KINDS, DeviceInfo, HostInfo
+from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch

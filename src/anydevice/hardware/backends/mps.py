@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from anydevice.hardware.backends.base import Backend, Counters, Probe
-from anydevice.hardware.inventory import DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from anydevice.hardware.inventory import ProcessInfo
+from anydevice.hardware.facts import ProcessInfo
 
 __all__ = ["DriverInfo", "GpuRecord", "NvmlReader", "NvmlUnavailable", "read", "reader", "static"]
 

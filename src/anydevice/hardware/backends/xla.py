@@ -6,7 +6,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from anydevice.hardware.backends.base import Backend, Counters, Probe
-from anydevice.hardware.inventory import DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +26,15 @@ class XlaBackend(Backend):
     lazy = True
 
     counts_peaks = False
+
+    def collective_refusal(self, backend: str) -> str | None:
+        if backend != "gloo":
+            return None
+        return (
+            "XLA devices need torch_xla's own backend: pass backend='xla' and "
+            "init_method='xla://' (after `import torch_xla.distributed.xla_backend`), or "
+            "start the job with torch_xla's launcher."
+        )
 
     def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
         return False, f"{info.spec} ({info.name}): XLA chooses memory layouts itself"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from anydevice.hardware import torchbuild
 from anydevice.hardware.backends.base import Backend, Probe
-from anydevice.hardware.inventory import DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 __all__ = ["XpuBackend"]
 
@@ -14,6 +14,8 @@ class XpuBackend(Backend):
     label = "Intel XPU"
     is_gpu = True
     has_streams = True
+    ddp_device_ids = True
+    visibility_variable = "ZE_AFFINITY_MASK"
 
     def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
         return True, f"{info.spec} ({info.name}): oneDNN convolutions are fastest in NHWC"

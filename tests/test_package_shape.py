@@ -1,0 +1,73 @@
+"""The package's shape holds: no import circle (function-level imports included), every
+import goes down a layer, and each subpackage's ``__init__`` names every module it holds.
+
+Read from the syntax tree by ``scripts/import_graph.py``, the tool that reports the same
+numbers to people."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    spec = importlib.util.spec_from_file_location(
+        "import_graph", ROOT / "scripts" / "import_graph.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["import_graph"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_import_circle_even_through_function_level_imports(graph) -> None:
+    edges, _ = graph.graph(everything=True)
+    assert graph.circles(edges) == []
+
+
+def test_every_import_goes_down_a_layer(graph) -> None:
+    edges, _ = graph.graph(everything=True)
+    assert graph.layer_breaches(edges) == []
+
+
+def test_a_layer_breach_and_a_circle_are_seen(graph) -> None:
+    edges = {
+        "anydevice.hardware.a": {"anydevice.measure.b"},
+        "anydevice.measure.b": {"anydevice.hardware.a"},
+        "anydevice.newthing.c": set(),
+        "anydevice.cli.d": {"anydevice.newthing.c"},
+    }
+    assert graph.circles(edges) == [["anydevice.hardware.a", "anydevice.measure.b"]]
+    assert graph.layer_breaches(edges) == [
+        "anydevice.cli.d -> anydevice.newthing.c",  # a package in no layer
+        "anydevice.hardware.a -> anydevice.measure.b",  # upwards
+    ]
+
+
+def test_each_concern_is_in_one_layer(graph) -> None:
+    package = ROOT / "src" / "anydevice"
+    here = {p.stem for p in package.glob("*.py")} | {
+        p.parent.name for p in package.glob("*/__init__.py")
+    }
+    placed = set().union(*graph.LAYERS)
+    assert here - {"__init__"} <= placed, f"put {sorted(here - {'__init__'} - placed)} in LAYERS"
+
+
+def test_each_subpackage_names_its_modules_in_its_docstring() -> None:
+    for init in sorted((ROOT / "src" / "anydevice").rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        dotted = ".".join(init.parent.relative_to(ROOT / "src").parts)
+        modules = [
+            p.stem for p in init.parent.glob("*.py") if p.stem not in ("__init__", "__main__")
+        ]
+        modules += [p.parent.name for p in init.parent.glob("*/__init__.py")]
+        unnamed = [m for m in modules if f"{dotted}.{m}" not in doc and f"``{m}``" not in doc]
+        assert not unnamed, f"{dotted}'s __init__ docstring should say what {unnamed} own"
