@@ -10,7 +10,7 @@ import torch
 import anydevice as ad
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
 from anydevice.hardware.backends.cuda import cuda_built
-from anydevice.hardware.facts import ProcessInfo, parse_size
+from anydevice.hardware.facts import DeviceInfo, ProcessInfo, parse_size
 from anydevice.hardware.selection import select, select_all, try_gpu_in
 from anydevice.hardware.spec import Spec, parse_spec
 from anydevice.hardware.visibility import visible_value
@@ -173,6 +173,15 @@ def test_index_message_shows_cuda_visible_devices():
     )
     assert "2 CUDA devices are visible (CUDA_VISIBLE_DEVICES='0,1')" in message
     assert "Use cuda:0 or cuda:1" in message
+
+
+def test_index_message_shows_the_kinds_own_visibility_variable():
+    xpus = tuple(DeviceInfo(kind="xpu", index=i, name="Intel Arc") for i in range(2))
+    inv = machine(others=xpus)
+    env = {"ZE_AFFINITY_MASK": "0,1", "CUDA_VISIBLE_DEVICES": "3"}
+    message = str(pytest.raises(DeviceNotFoundError, pick, "xpu:2", inv, environ=env).value)
+    assert "(ZE_AFFINITY_MASK='0,1')" in message
+    assert "CUDA_VISIBLE_DEVICES" not in message
 
 
 def test_try_gpu_falls_back_with_one_warning_naming_what_exists(caplog):

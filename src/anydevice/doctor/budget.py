@@ -34,7 +34,7 @@ import torch
 
 from anydevice.measure.clocks import clock_for
 
-__all__ = ["Budget", "Comparison", "Slot", "Timed", "compare", "sized"]
+__all__ = ["Budget", "Comparison", "Deadline", "Timed", "compare", "sized"]
 
 #: Most samples taken of one variant, however much time is left.
 MAX_SAMPLES = 15
@@ -65,13 +65,13 @@ class Budget:
     def left(self) -> float:
         return max(0.0, self.seconds - self.spent())
 
-    def slot(self, share: float) -> Slot:
+    def slot(self, share: float) -> Deadline:
         """A deadline ``share`` (0 to 1) of the time left from now."""
-        return Slot(self.clock, self.clock() + max(0.0, share) * self.left())
+        return Deadline(self.clock, self.clock() + max(0.0, share) * self.left())
 
 
 @dataclass(frozen=True)
-class Slot:
+class Deadline:
     """One step's deadline on the run's clock."""
 
     clock: Callable[[], float]
@@ -108,7 +108,7 @@ NOISY = 0.10
 def sized(
     make: Callable[[int], Sequence[Callable[[], object]]],
     sizes: Sequence[int],
-    slot: Slot,
+    slot: Deadline,
     *,
     device: torch.device | None = None,
     sample: float = 0.01,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anydevice.doctor.budget import Slot, Timed, compare, sized
+from anydevice.doctor.budget import Deadline, Timed, compare, sized
 from anydevice.doctor.results import Lever
 from anydevice.doctor.workloads import (
     Run,
@@ -83,7 +83,7 @@ def _lever(info: DeviceInfo, name: str, title: str, workload: str, how: str,
     )
 
 
-def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
+def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Deadline) -> None:
     backend = runtime(kind)
     largest = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
     title = "reduced-precision fp32 matmuls"
@@ -116,7 +116,7 @@ def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> Non
     run.levers.append(_lever(info, "fast-matmul", title, workload, how, timed))
 
 
-def _pinned_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
+def _pinned_lever(info: DeviceInfo, run: Run, slot: Deadline) -> None:
     dev = info.torch_device
     sizes = [s * 2**20 for s in powers(1, run.plan.copy_mib)]
     timed = sized(
@@ -162,7 +162,7 @@ class _Streams:
             self.main.wait_stream(self.side)
 
 
-def _overlap_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
+def _overlap_lever(info: DeviceInfo, run: Run, slot: Deadline) -> None:
     """A copy of the next batch alongside compute on this one, against one after the other.
 
     The compute is as many fp32 matmuls as take about as long as the copy, so perfect
@@ -232,7 +232,7 @@ def _mlp_pair(info: DeviceInfo, size: tuple[int, int]) -> list[Callable[[], None
     return out
 
 
-def _step_comparison(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
+def _step_comparison(info: DeviceInfo, kind: str, run: Run, slot: Deadline) -> None:
     """The same step on every device: sized on the first one measured, then kept."""
     largest, width = run.plan.step
     batches = powers(1, largest) if run.step_size is None else [run.step_size[0]]
@@ -251,7 +251,7 @@ def _step_comparison(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
         _add_autocast(info, (timed.size, width), timed, p, run)
 
 
-def _threads_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
+def _threads_lever(info: DeviceInfo, run: Run, slot: Deadline) -> None:
     """On a busy machine: the training step with torch's threads, and with the free cores."""
     title = "torch threads = free cores"
     threads, free = run.threads, run.free_cores
@@ -280,7 +280,7 @@ def _threads_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
     run.levers.append(_lever(info, "threads", title, workload, how, timed))
 
 
-def _autocast_lever(info: DeviceInfo, run: Run, slot: Slot) -> None:
+def _autocast_lever(info: DeviceInfo, run: Run, slot: Deadline) -> None:
     largest, width = run.plan.gpu_step
     dev = info.torch_device
     with strict_fp32():
@@ -332,7 +332,7 @@ def _conv_pair(info: DeviceInfo, batch: int, side: int) -> Sequence[Callable[[],
     return train_call(nchw, x, y, ce, p), train_call(nhwc, x, y, ce, p)
 
 
-def _channels_last_lever(info: DeviceInfo, kind: str, run: Run, slot: Slot) -> None:
+def _channels_last_lever(info: DeviceInfo, kind: str, run: Run, slot: Deadline) -> None:
     largest, side = run.plan.conv if runtime(kind).is_host else run.plan.gpu_conv
     dev = info.torch_device
     # Smaller images first, then larger batches: an emulated dtype's first call stays small.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from anydevice.doctor.budget import Budget, Slot, sized
+from anydevice.doctor.budget import Budget, Deadline, sized
 from anydevice.doctor.levers import lever_steps
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
 from anydevice.doctor.results import DeviceSummary, Measured, Measurements
@@ -233,7 +233,7 @@ def _dtypes(info: DeviceInfo, kind: str) -> list[str]:
     return [*out, "fp16"]
 
 
-def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Slot) -> None:
+def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Deadline) -> None:
     dev = info.torch_device
     with math_mode(dtype):
         timed = sized(
@@ -265,7 +265,7 @@ def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Slot) -> None:
     )
 
 
-def _memory_copy(info: DeviceInfo, run: Run, slot: Slot) -> None:
+def _memory_copy(info: DeviceInfo, run: Run, slot: Deadline) -> None:
     dev = info.torch_device
 
     def make(size: int) -> tuple[Callable[[], object]]:
@@ -296,7 +296,7 @@ def _memory_copy(info: DeviceInfo, run: Run, slot: Slot) -> None:
     )
 
 
-def _transfer(info: DeviceInfo, direction: str, pinned: bool, run: Run, slot: Slot) -> None:
+def _transfer(info: DeviceInfo, direction: str, pinned: bool, run: Run, slot: Deadline) -> None:
     dev = info.torch_device
     sizes = [s * 2**20 for s in powers(1, run.plan.copy_mib)]
     timed = sized(lambda s: (copy_call(dev, direction, pinned, s),), sizes, slot, device=dev,

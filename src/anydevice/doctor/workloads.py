@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anydevice.doctor.budget import Slot
+from anydevice.doctor.budget import Deadline
 from anydevice.doctor.results import Lever, Measured, find
 from anydevice.hardware.backends import runtime
 from anydevice.numerics.matmul import fast_matmul, strict_fp32
@@ -71,7 +71,7 @@ PLANS: dict[str, Plan] = {
 Progress = Callable[[int, int, str, float], None]
 
 
-Step = Callable[[Slot], None]
+Step = Callable[[Deadline], None]
 
 
 @dataclass

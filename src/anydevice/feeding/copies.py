@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from anydevice.feeding.streams import copy_stream, stream_device
-from anydevice.feeding.transfer import CopyTimes, Slot, keep_for
+from anydevice.feeding.transfer import BatchEvents, CopyTimes, keep_for
 from anydevice.hardware.backends import runtime
 
 __all__ = ["Copier", "copier_for"]
@@ -110,18 +110,18 @@ class Copier:
         elif all(consumer != h for h in self.homes):
             self.homes.append(consumer)
 
-    def slot(self) -> Slot:
+    def slot(self) -> BatchEvents:
         """The events for the next copy: a timing pair, else a fresh ordering event."""
         if self.times is not None:
             return self.times.take()
-        return Slot(None, self._event())
+        return BatchEvents(None, self._event())
 
-    def discard(self, slot: Slot) -> None:
+    def discard(self, slot: BatchEvents) -> None:
         """The copy for ``slot`` was never issued."""
         if self.times is not None:
             self.times.discard(slot)
 
-    def handed_out(self, slot: Slot) -> None:
+    def handed_out(self, slot: BatchEvents) -> None:
         """The consumer's stream has issued its wait on ``slot.end``."""
         if self.times is not None:
             self.times.handed_out(slot)

@@ -72,7 +72,7 @@ import torch
 from anydevice.feeding.copies import Copier, copier_for
 from anydevice.feeding.resume import sampler_generator, skip_at_sampler
 from anydevice.feeding.startmethod import check_loader_workers
-from anydevice.feeding.transfer import CopyTimes, Slot, nbytes_off, pin_leaves
+from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
@@ -611,7 +611,7 @@ class _Pass:
         self.backend = runtime(self.device.type)
         self.lazy = self.backend.lazy  # XLA: each step ends with a graph cut
         self.counters = _Counters(None if self.copier is None else self.copier.times)
-        self.ready: tuple[Any, Slot | None] | None = None  # (batch on device, its events)
+        self.ready: tuple[Any, BatchEvents | None] | None = None  # (batch on device, its events)
         self.done = False
         self.error: BaseException | None = None  # raised by the source after batch k was issued
         self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
@@ -713,7 +713,7 @@ class _Pass:
             raise
         self.ready = (moved, slot)
 
-    def _hand_out(self, batch: Any, slot: Slot) -> None:
+    def _hand_out(self, batch: Any, slot: BatchEvents) -> None:
         """Order the consumer's stream (the current one) after the batch's copy, keep its
         memory for that stream, and release the event pair for reuse."""
         copier = self.copier

@@ -16,7 +16,7 @@ from torch import nn
 from anydevice.placement.mismatch import walk
 from anydevice.placement.move import _EMPTY, _Mover
 
-__all__ = ["CopyTimes", "Slot", "buffers_of", "keep_for", "nbytes_off", "pin_leaves"]
+__all__ = ["BatchEvents", "CopyTimes", "buffers_of", "keep_for", "nbytes_off", "pin_leaves"]
 
 
 class _Event(Protocol):
@@ -27,7 +27,7 @@ class _Event(Protocol):
     def elapsed_time(self, end_event: Any) -> float: ...
 
 
-class Slot:
+class BatchEvents:
     """One batch's event pair and where it stands."""
 
     __slots__ = ("end", "handed_out", "start", "timed")
@@ -61,22 +61,22 @@ class CopyTimes:
         self._make = make_event
         self.reuse = reuse
         self.seconds = 0.0  #: device seconds of the copies timed so far
-        self.pending: list[Slot] = []  #: issued, not yet back on the free list
-        self.free: list[Slot] = []
+        self.pending: list[BatchEvents] = []  #: issued, not yet back on the free list
+        self.free: list[BatchEvents] = []
 
-    def take(self) -> Slot:
+    def take(self) -> BatchEvents:
         """An event pair for the next copy: a recycled one, or a new one."""
         self.collect(block=False)
-        slot = self.free.pop() if self.free else Slot(self._make(), self._make())
+        slot = self.free.pop() if self.free else BatchEvents(self._make(), self._make())
         slot.handed_out = slot.timed = False
         self.pending.append(slot)
         return slot
 
-    def discard(self, slot: Slot) -> None:
+    def discard(self, slot: BatchEvents) -> None:
         """Forget a pair whose copy was never issued (the move raised before recording)."""
         self.pending = [s for s in self.pending if s is not slot]
 
-    def handed_out(self, slot: Slot) -> None:
+    def handed_out(self, slot: BatchEvents) -> None:
         """The consumer's stream has issued its wait on ``slot.end``."""
         slot.handed_out = True
 

@@ -46,7 +46,7 @@ from anydevice.measure.memory_readings import (
     empty_cache,
     initialized,
     peak_rss,
-    read,
+    read_counters,
     reset_peak,
     rss,
     system_memory,
@@ -211,7 +211,7 @@ def memory(device: DeviceLike | None = "auto") -> MemoryStats:
         DeviceNotFoundError: no such device here.
     """
     dev = _resolve_memory_device(device)
-    c = read(dev)
+    c = read_counters(dev)
     notes: list[str] = []
     free: int | None
     total: int | None
@@ -364,7 +364,7 @@ def track_memory(
     history = None if snapshot is None else History(dev, snapshot)  # refuses before anything
     counted = counts_peaks(dev)
     if counted:
-        before = read(dev)
+        before = read_counters(dev)
         usage = MemoryUsage(dev, before.allocated, "read from the allocator's peak counter")
         previous_peak = before.peak or 0
         reset_peak(dev)
@@ -385,7 +385,7 @@ def track_memory(
         if history is not None:
             usage.snapshot = history.stop()
         if sampler is None:
-            after = read(dev)
+            after = read_counters(dev)
             usage._end = after.allocated
             usage._peak = max(after.peak or 0, usage._inner_peak, usage.start, after.allocated)
             usage.exact = True
@@ -423,7 +423,7 @@ class _Reader:
             return int(os.pread(self._fd, 64, 0).split()[1]) * self._page
         if _is_host(self.device):
             return rss()
-        return read(self.device).allocated
+        return read_counters(self.device).allocated
 
     def close(self) -> None:
         if self._fd is not None:
@@ -489,7 +489,7 @@ def _held_reader(device: torch.device) -> Callable[[], int]:
         return rss
 
     def held() -> int:
-        c = read(device)
+        c = read_counters(device)
         return c.reserved if c.reserved is not None else c.allocated
 
     return held

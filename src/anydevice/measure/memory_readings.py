@@ -8,7 +8,7 @@ keeps them, one implementation for all; MPS's two numbers, torch_xla's memory in
 the CPU's resident set where those kinds differ. And what "out of memory" looks like on each
 (:func:`is_out_of_memory`), for the batch-size search and the history's snapshot on OOM.
 
->>> read(torch.device("cpu")).allocated > 0
+>>> read_counters(torch.device("cpu")).allocated > 0
 True
 """
 
@@ -29,7 +29,7 @@ __all__ = [
     "initialized",
     "is_out_of_memory",
     "peak_rss",
-    "read",
+    "read_counters",
     "reset_peak",
     "rss",
     "system_memory",
@@ -50,7 +50,7 @@ def _backend(device: torch.device) -> Backend:
         ) from None
 
 
-def read(device: torch.device) -> Counters:
+def read_counters(device: torch.device) -> Counters:
     """The counters of ``device`` now; ``MeasurementError`` where they cannot be read."""
     return _backend(device).memory(device)
 
