@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +72,21 @@ def test_each_subpackage_names_its_modules_in_its_docstring() -> None:
         modules += [p.parent.name for p in init.parent.glob("*/__init__.py")]
         unnamed = [m for m in modules if f"{dotted}.{m}" not in doc and f"``{m}``" not in doc]
         assert not unnamed, f"{dotted}'s __init__ docstring should say what {unnamed} own"
+
+
+def test_the_gpu_check_finds_every_test_module_with_cuda_tests() -> None:
+    """``scripts/gpu-check.sh`` runs the modules its own line lists: every one that holds a
+    ``cuda`` test, wherever in tests/ it lives (the layout moved them into subfolders)."""
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    line = next(x for x in script.splitlines() if x.startswith("mapfile -t modules"))
+    listing = line.split("< <(", 1)[1].rsplit(")", 1)[0]
+    found = subprocess.run(
+        ["bash", "-c", listing], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
+    expected = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.cuda" in p.read_text() and "infra" not in p.parts
+    )
+    assert len(expected) > 20
+    assert sorted(found) == expected
