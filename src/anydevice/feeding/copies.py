@@ -39,13 +39,11 @@ import torch
 from anydevice.feeding.streams import copy_stream, stream_device
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, keep_for
 from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends.base import UNSUPPORTED
 
 __all__ = ["Copier", "copier_for"]
 
 logger = logging.getLogger("anydevice")
-
-#: What a backend raises for an operation it does not implement.
-_UNSUPPORTED = (RuntimeError, NotImplementedError)
 
 
 class Copier:
@@ -134,7 +132,7 @@ class Copier:
             return t
         try:
             return t.pin_memory()
-        except _UNSUPPORTED as e:
+        except UNSUPPORTED as e:
             self._pins = False
             logger.info(
                 "%s cannot pin host memory (%s): batches are copied from pageable memory",
@@ -151,7 +149,7 @@ def copier_for(device: torch.device) -> Copier | None:
         return None
     try:
         return _copier(dev)
-    except _UNSUPPORTED as e:  # the backend names streams but cannot make them
+    except UNSUPPORTED as e:  # the backend names streams but cannot make them
         logger.info("no copy stream on %s (%s): batches are moved synchronously", dev, e)
         return None
 

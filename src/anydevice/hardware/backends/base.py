@@ -127,14 +127,8 @@ class Backend(ABC):
     def in_use(self) -> list[torch.device]:
         """The devices of this kind this process may have queued work on: the current one,
         once the kind is initialised (asking initialises nothing)."""
-        import torch
-
-        mod = device_module(self.kind)
-        initialized = getattr(mod, "is_initialized", None)
-        current = getattr(mod, "current_device", None)
-        if initialized is None or current is None or not initialized():
-            return []
-        return [torch.device(self.kind, int(current()))]
+        current = current_if_initialized(self.kind)
+        return [] if current is None else [current]
 
     def synchronize(self, device: torch.device) -> None:
         """Wait until the work queued on ``device`` is done. A kind not yet initialised has
@@ -181,7 +175,7 @@ class Backend(ABC):
                 continue
             try:
                 s = stats(device)
-            except _UNSUPPORTED as e:
+            except UNSUPPORTED as e:
                 reasons.append(str(e).strip().splitlines()[-1][:200])
                 continue
             return Counters(
@@ -218,7 +212,7 @@ class Backend(ABC):
             try:
                 source.empty_cache()
                 return
-            except _UNSUPPORTED:  # no cache to give back through this module
+            except UNSUPPORTED:  # no cache to give back through this module
                 continue
 
     def initialized(self, device: torch.device) -> bool:
@@ -343,8 +337,9 @@ class Backend(ABC):
         torch.accelerator.set_device_index(device.index)
 
 
-#: What a backend raises for an allocator call it does not implement.
-_UNSUPPORTED = (RuntimeError, NotImplementedError, AttributeError)
+#: What a backend raises for a call it does not implement (an allocator counter, a stream
+#: on a backend that names streams but cannot make them).
+UNSUPPORTED = (RuntimeError, NotImplementedError, AttributeError)
 
 
 class Unclaimed(Backend):
@@ -371,6 +366,19 @@ class Meta(Unclaimed):
     kind = "meta"
     label = "meta (no data)"
     holds_data = False
+
+
+def current_if_initialized(kind: str) -> torch.device | None:
+    """The current device of ``kind`` once its device module is initialised, else None;
+    asking initialises nothing (a module without ``is_initialized`` is not looked at)."""
+    import torch
+
+    mod = device_module(kind)
+    initialized = getattr(mod, "is_initialized", None)
+    current = getattr(mod, "current_device", None)
+    if initialized is None or current is None or not initialized():
+        return None
+    return torch.device(kind, int(current()))
 
 
 def device_module(kind: str) -> Any | None:

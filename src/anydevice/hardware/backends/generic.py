@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from anydevice.hardware.backends.base import Backend, Probe, device_module
+from anydevice.hardware.backends.base import Backend, Probe, current_if_initialized, device_module
 from anydevice.hardware.backends.torch_private import privateuse1_name
 from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, HostInfo
 
@@ -72,16 +72,7 @@ class GenericBackend(Backend):
     def in_use(self) -> list[torch.device]:
         """The current device of each accelerator torch knows beyond the named kinds, once
         initialised (a module without ``is_initialized`` is not looked at)."""
-        import torch
-
-        found = []
-        for kind in kinds():
-            mod = module(kind)
-            initialized = getattr(mod, "is_initialized", None)
-            current = getattr(mod, "current_device", None)
-            if initialized is not None and current is not None and initialized():
-                found.append(torch.device(kind, int(current())))
-        return found
+        return [d for d in map(current_if_initialized, kinds()) if d is not None]
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Only torch knows these devices: without it, nothing (the inventory says which
