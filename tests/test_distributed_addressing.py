@@ -120,3 +120,124 @@ def test_the_launcher_keeps_c10d_warnings_out_and_its_workers_keep_theirs(mode):
         assert not warned, done.stderr
     else:
         assert warned, done.stderr
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def _closed_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _check_on_two_nodes(masters: list[tuple[str, int | None]], listen: list[str | None]):
+    """check_reach for nodes 0 and 1 on threads, sharing a real TCPStore: what each raised
+    (or None), and the seconds each took."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    got: dict[int, BaseException | None] = {}
+    took: dict[int, float] = {}
+
+    def node(rank: int) -> None:
+        store = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        start = time.monotonic()
+        try:
+            addressing.check_reach(
+                store,
+                node=rank,
+                nodes=2,
+                master_addr=masters[rank][0],
+                master_port=masters[rank][1],
+                listen_addr=listen[rank],
+                timeout=2,
+            )
+            got[rank] = None
+        except BaseException as e:
+            got[rank] = e
+        took[rank] = time.monotonic() - start
+
+    threads = [threading.Thread(target=node, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return got, took
+
+
+def test_nodes_that_reach_master_addr_and_each_other_pass_the_check():
+    with socket.socket() as store:  # the workers' store, served by node 0's agent
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        master = ("127.0.0.1", int(store.getsockname()[1]))
+        got, _ = _check_on_two_nodes([master, master], ["127.0.0.1", "127.0.0.1"])
+    assert got == {0: None, 1: None}
+
+
+def test_a_node_that_cannot_reach_master_addr_stops_every_node_saying_where():
+    from anydevice.errors import DistributedTimeoutError
+
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen()
+        port = int(store.getsockname()[1])
+        closed = _closed_port()
+        # Node 1 is told an address where nothing serves the store: its own loopback.
+        got, took = _check_on_two_nodes(
+            [("127.0.0.1", port), ("127.0.0.1", closed)], ["127.0.0.1", "127.0.0.1"]
+        )
+    for rank in (0, 1):
+        error = got[rank]
+        assert isinstance(error, DistributedTimeoutError), error
+        text = str(error)
+        assert text.startswith(
+            f"The nodes met at the rendezvous; the workers could not reach "
+            f"MASTER_ADDR=127.0.0.1:{closed} from node 1 ({socket.gethostname()}) within 2 s"
+        ), text
+        assert "Connection refused" in text and "--local-addr" in text and "firewall" in text
+        assert took[rank] >= 2  # node 1 tried for the whole timeout
+
+
+def test_a_node_whose_workers_listen_where_the_next_cannot_reach_is_named():
+    """The workers' store is reached, but the next node's address is not: node 1 says (in
+    the store, as its check does) that it listens where nothing accepts, as a node whose
+    workers listen on its own loopback would be, seen from another host."""
+    import json
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from anydevice.errors import DistributedTimeoutError
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    closed = _closed_port()
+    server.set(
+        "anydevice.reach/at/1", json.dumps({"host": "n1", "addr": "127.0.0.1", "port": closed})
+    )
+    server.set("anydevice.reach/said/1", "")
+    server.add("anydevice.reach/done", 1)
+    # No store served yet (torch's unshared store, which a worker serves later): node 0's
+    # own listener stands for MASTER_ADDR, and is reached.
+    with pytest.raises(DistributedTimeoutError) as info:
+        addressing.check_reach(
+            server,
+            node=0,
+            nodes=2,
+            master_addr="127.0.0.1",
+            master_port=None,
+            listen_addr="127.0.0.1",
+            timeout=1,
+        )
+    text = str(info.value)
+    assert "MASTER_ADDR" not in text.split("(")[0], text
+    assert text.startswith(
+        f"The nodes met at the rendezvous; the workers could not reach node 1's address "
+        f"127.0.0.1:{closed} from node 0"
+    ), text

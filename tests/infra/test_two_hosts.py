@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 SRC = Path(__file__).resolve().parents[2] / "src"
 PORT = 29400
 STEPS = 5
+TIMEOUT = 10  #: --timeout where a launch is to fail
 
 TRAIN = textwrap.dedent(
     f"""
@@ -164,7 +166,15 @@ def loopback_hostnames() -> Iterator[Hosts]:
     yield from _hosts(loopback_hostnames=True)
 
 
-def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
+def _launch_both(
+    hosts: Hosts,
+    tmp_path: Path,
+    extra: tuple[list[str], list[str]] = ([], []),
+    timeout: int = 60,
+    expect: int = 0,
+) -> tuple[list[str], Path]:
+    """``anydevice launch`` on both hosts (``extra``: each one's further options); their
+    outputs, once both ended with ``expect``, and where rank 0 saves the weights."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     out = tmp_path / "weights.pt"
@@ -175,7 +185,7 @@ def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
         launch = [
             sys.executable, "-m", "anydevice", "launch", "--nnodes", "2", "--node-rank",
             str(node), "-n", "1", "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}",
-            "--timeout", "60", str(script), str(out),
+            "--timeout", str(timeout), *extra[node], str(script), str(out),
         ]  # fmt: skip
         inner = f"hostname {hostname} && exec " + " ".join(launch)
         procs.append(
@@ -199,7 +209,7 @@ def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
     for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, f"node exited {p.returncode}:\n{text}"
+        assert p.returncode == expect, f"node exited {p.returncode}:\n{text}"
     return outputs, out
 
 
@@ -228,3 +238,33 @@ def test_ddp_across_two_hosts_whose_hostnames_are_loopback(
 ) -> None:
     outputs, out = _launch_both(loopback_hostnames, tmp_path)
     _check(loopback_hostnames, outputs, out)
+
+
+def test_workers_that_cannot_reach_master_addr_stop_within_the_timeout(
+    distinct_hostnames: Hosts, tmp_path: Path
+) -> None:
+    """Node 0 gives a loopback address: the nodes meet at the rendezvous (on the link), and
+    node 1's workers would be told ``MASTER_ADDR=127.0.0.1``, their own loopback, and wait
+    out ``init_process_group``'s 30 minutes. Both nodes stop within the timeout instead,
+    saying so. (Node 1 gives its name, which sorts after 127.0.0.1: node 0 is the
+    rendezvous' node 0, whose address is ``MASTER_ADDR``.)"""
+    hosts = distinct_hostnames
+    start = time.monotonic()
+    outputs, _ = _launch_both(
+        hosts,
+        tmp_path,
+        extra=(["--local-addr", "127.0.0.1"], ["--local-addr", hosts.hostnames[1]]),
+        timeout=TIMEOUT,
+        expect=1,
+    )
+    took = time.monotonic() - start
+    for text in outputs:
+        assert "the nodes met at the rendezvous; the workers could not reach " in text.lower()
+        assert "MASTER_ADDR=127.0.0.1:" in text, text
+        assert f"from node 1 ({hosts.hostnames[1]}) within {TIMEOUT} s" in text, text
+        assert "--local-addr" in text and "GLOO_SOCKET_IFNAME" in text, text
+        assert "firewall" in text, text
+        assert "cannot reach the rendezvous" not in text.lower(), text
+        assert "RANK" not in text, text  # no worker started
+    # The timeout, plus starting Python and torch twice on a shared machine.
+    assert took < TIMEOUT + 60, took

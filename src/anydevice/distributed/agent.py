@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anydevice.distributed import reaper, rendezvous
+from anydevice.distributed import addressing, reaper, rendezvous
 from anydevice.distributed.failures import preempted, preemption, worker_failed
 from anydevice.distributed.rendezvous import LOOPBACK
 from anydevice.errors import DistributedTimeoutError
@@ -125,6 +125,7 @@ def run_agent(
                 exit_barrier_timeout=timeout,
                 shutdown_timeout=_STOP_GRACE,
                 grace=chosen.grace,
+                timeout=timeout,
             )
             result = agent.run()
         except SignalException as e:
@@ -297,9 +298,10 @@ def _agent_type() -> type[Any]:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     class GracefulAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, grace: float, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, grace: float, timeout: float, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.grace = grace
+            self.timeout = timeout
             self.signalled: signal.Signals | None = None
             self.took: float | None = None  #: seconds from the signal to the workers' exit
 
@@ -310,6 +312,27 @@ def _agent_type() -> type[Any]:
             ranks = {w.local_rank: w.global_rank for w in self._worker_group.workers}
             files = self._pcontext.error_files.items()
             return {ranks.get(local, local): str(path) for local, path in files}
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            """The rendezvous, then (several nodes) the check that each node's workers
+            will reach the others' (:func:`~anydevice.distributed.addressing.check_reach`),
+            before any worker starts: where they cannot, every node stops with what failed
+            where, within ``timeout``, rather than its workers waiting out
+            ``init_process_group``'s (30 minutes by default)."""
+            super()._rendezvous(worker_group)
+            if worker_group.group_world_size < 2:
+                return
+            handler = worker_group.spec.rdzv_handler
+            addressing.check_reach(
+                worker_group.store,
+                node=worker_group.group_rank,
+                nodes=worker_group.group_world_size,
+                master_addr=worker_group.master_addr,
+                # Served already where the agents share it; else a worker serves it later.
+                master_port=worker_group.master_port if handler.use_agent_store else None,
+                listen_addr=worker_group.spec.local_addr,
+                timeout=self.timeout,
+            )
 
         def _invoke_run(self, role: str = DEFAULT_ROLE) -> Any:
             try:
