@@ -37,6 +37,7 @@ TRAIN = textwrap.dedent(
     f"""
     import os
     import socket
+    import subprocess
     import sys
 
     import torch
@@ -60,7 +61,16 @@ TRAIN = textwrap.dedent(
                 opt.step()
             print("RANK", d.rank, "OF", d.world_size, "ON", socket.gethostname(), flush=True)
             print("MASTER_ADDR", os.environ["MASTER_ADDR"], flush=True)
+            print("MASTER_PORT", os.environ["MASTER_PORT"], flush=True)
             print("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"), flush=True)
+            d.barrier()  # every store and socket of the launch is up on both hosts
+            # What listens on this host (its namespace holds this launch alone).
+            listening = subprocess.run(
+                ["ss", "-ltnH"], capture_output=True, text=True, check=True
+            ).stdout
+            for line in listening.splitlines():
+                print("LISTENING", line.split()[3], flush=True)
+            d.barrier()
             if d.rank == 0:
                 torch.save(model.state_dict(), sys.argv[1])
     """
@@ -213,7 +223,7 @@ def _launch_both(
     return outputs, out
 
 
-def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
+def _check(hosts: Hosts, outputs: list[str], out: Path, restarts: bool = False) -> None:
     for node, text in enumerate(outputs):
         assert f"RANK {node} OF 2 ON {hosts.hostnames[node]}" in text, text
         # c10d's reverse lookups of peers without a name stay out of the launch's output.
@@ -221,6 +231,19 @@ def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
         # The workers meet at node 0's address on the link, over each node's end of it.
         assert f"MASTER_ADDR {hosts.addrs[0]}" in text, text
         assert f"GLOO_SOCKET_IFNAME {hosts.veths[node]}" in text, text
+        # Nothing of the launch listens on every interface: only on the address the peer
+        # reaches (the stores, gloo's sockets), or on loopback.
+        listening = [line.split()[1] for line in text.splitlines() if line.startswith("LISTENING")]
+        if restarts and node == 0:
+            # Where the workers' store is not the agents' (restarts, node ranges), rank 0's
+            # worker serves it as torch makes it, on every interface (docs/distributed.md).
+            port = text.split("MASTER_PORT ", 1)[1].split()[0]
+            listening.remove(f"*:{port}")
+        where = {at.rpartition(":")[0].strip("[]").split("%")[0] for at in listening}
+        assert where <= {hosts.addrs[node], "127.0.0.1", "::1"}, listening
+        assert hosts.addrs[node] in where, listening  # gloo's sockets, at least
+        if node == 0:
+            assert f"{hosts.addrs[0]}:{PORT}" in listening, listening  # the rendezvous store
     got = torch.load(out, weights_only=True)
     want = one_host_weights()
     assert set(got) == set(want)
@@ -268,3 +291,11 @@ def test_workers_that_cannot_reach_master_addr_stop_within_the_timeout(
         assert "RANK" not in text, text  # no worker started
     # The timeout, plus starting Python and torch twice on a shared machine.
     assert took < TIMEOUT + 60, took
+
+
+def test_ddp_across_two_hosts_with_restarts(distinct_hostnames: Hosts, tmp_path: Path) -> None:
+    """With restarts the workers' store is not the agents' but rank 0's worker's, served
+    once it starts: the check tries node 0's address in its stead."""
+    restarts = ["--max-restarts", "1"]
+    outputs, out = _launch_both(distinct_hostnames, tmp_path, extra=(restarts, restarts))
+    _check(distinct_hostnames, outputs, out, restarts=True)

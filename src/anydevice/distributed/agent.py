@@ -3,13 +3,15 @@
 The agent is torchrun's (``LocalElasticAgent`` with the c10d rendezvous); this module
 builds it by hand rather than through ``elastic_launch``, for what that cannot be told:
 
-* **Nothing listens beyond loopback** when the nodes meet on a loopback address (one
-  node, or several on this machine): the rendezvous store and the store the workers share
-  serve on sockets bound to 127.0.0.1 beforehand (``TCPStore(master_listen_fd=...)``);
+* **Nothing listens beyond the address the peers reach**: the rendezvous store and the
+  store the workers share serve on sockets bound beforehand (``TCPStore(master_listen_fd=
+  ...)``) to 127.0.0.1 when the nodes meet on loopback (one node, or several on this
+  machine), else to this node's address (:mod:`~anydevice.distributed.rendezvous`);
   torch's own listen on every interface.
 * **Every wait is bounded by ``timeout``**: reaching the rendezvous store (torch waits 60 s
-  per try, and tries twice), joining, the exit barrier; stopped workers get 5 s before
-  SIGKILL.
+  per try, and tries twice), joining, the workers of each node reaching the others' after
+  the rendezvous (checked before they start: :func:`~anydevice.distributed.addressing.
+  check_reach`), the exit barrier; stopped workers get 5 s before SIGKILL.
 * **Nothing outlives the launcher**: workers die with it (:mod:`~anydevice.distributed.runner`),
   and a small guardian process, started first, removes the launch's private directory
   (logs, error files, stacks) when the launcher is gone, even after SIGKILL.
