@@ -212,7 +212,8 @@ def _launch_both(
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=150)[0])
+            # A launch meant to fail gets its timeout and time to start, not 30 minutes.
+            outputs.append(p.communicate(timeout=150 if expect == 0 else timeout + 60)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -288,8 +289,34 @@ def test_workers_that_cannot_reach_master_addr_stop_within_the_timeout(
         assert "--local-addr" in text and "GLOO_SOCKET_IFNAME" in text, text
         assert "firewall" in text, text
         assert "cannot reach the rendezvous" not in text.lower(), text
-        assert "RANK" not in text, text  # no worker started
+        assert " OF 2 ON " not in text, text  # no worker started
     # The timeout, plus starting Python and torch twice on a shared machine.
+    assert took < TIMEOUT + 60, took
+
+
+def test_workers_that_cannot_reach_the_next_nodes_stop_within_the_timeout(
+    distinct_hostnames: Hosts, tmp_path: Path
+) -> None:
+    """Node 0 gives a loopback address, node 1 the route's (its address on the link),
+    which sorts first: node 1 is the rendezvous' node 0, whose address, ``MASTER_ADDR``,
+    both reach; but node 0's workers would listen on its loopback, where node 1's cannot
+    connect. Both nodes stop within the timeout, naming that address. (Gloo with these two
+    nodes got through before, as node 0's side happens to open their connection; with
+    NCCL, whose bootstrap ring connects each rank to the next one's listener, or a third
+    node, the workers waited out init_process_group's 30 minutes.)"""
+    hosts = distinct_hostnames
+    start = time.monotonic()
+    outputs, _ = _launch_both(
+        hosts, tmp_path, extra=(["--local-addr", "127.0.0.1"], []), timeout=TIMEOUT, expect=1
+    )
+    took = time.monotonic() - start
+    for text in outputs:
+        assert (
+            "The nodes met at the rendezvous; the workers could not reach node 1's address "
+            "127.0.0.1:"
+        ) in text, text
+        assert f"from node 0 ({hosts.hostnames[1]}) within {TIMEOUT} s" in text, text
+        assert " OF 2 ON " not in text, text
     assert took < TIMEOUT + 60, took
 
 

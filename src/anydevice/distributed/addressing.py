@@ -288,27 +288,34 @@ def _try(
     timeout: float,
 ) -> str | None:
     """Try the paths this node's workers will take; ``None``, or what failed."""
-    spots = {q: _spot(store, q, deadline) for q in {0, (node + 1) % nodes}}
+    following = (node + 1) % nodes
+    spots = {q: _spot(store, q, deadline) for q in {0, following}}
     addr, port = master
-    ahead = spots[(node + 1) % nodes]
-    targets: list[tuple[str, str, int]] = []
-    if port is None:  # the workers' store is not served yet: node 0's listener, same address
-        port = spots[0].get("port") if spots[0] else None
-    if port is not None:
-        targets.append((f"MASTER_ADDR={_joined(addr, port)}", addr, int(port)))
-    if ahead and ahead.get("port") is not None and (ahead["addr"], ahead["port"]) != (addr, port):
-        where = _joined(ahead["addr"], ahead["port"])
-        targets.append(
-            (f"node {(node + 1) % nodes}'s address {where}", ahead["addr"], ahead["port"])
-        )
-    for what, host, at in targets:
+    first, ahead = spots[0] or {}, spots[following] or {}
+    said = (
+        "gave the rendezvous that address (nodes are numbered as the rendezvous ranked "
+        "them: the workers' GROUP_RANK)"
+    )
+    targets: list[tuple[str, str, int, str]] = []
+    if port is not None:  # the workers' store, served already
+        what = f"MASTER_ADDR={_joined(addr, port)}"
+        targets.append((what, addr, port, f"Node 0 ({first.get('host', '?')}) {said}."))
+    elif first.get("port") is not None:  # not yet: node 0's listener, on the same address
+        what = f"MASTER_ADDR={addr}"
+        targets.append((what, addr, first["port"], f"Node 0 ({first['host']}) {said}."))
+    if ahead.get("port") is not None and all(
+        (ahead["addr"], ahead["port"]) != (host, at) for _, host, at, _ in targets
+    ):
+        what = f"node {following}'s address {_joined(ahead['addr'], ahead['port'])}"
+        whose = f"Node {following} ({ahead['host']}) {said}; its workers listen there."
+        targets.append((what, ahead["addr"], ahead["port"], whose))
+    for what, host, at, whose in targets:
         error = _reach(host, at, deadline)
         if error is not None:
-            host0 = spots[0]["host"] if spots[0] else "?"
             return (
                 f"The nodes met at the rendezvous; the workers could not reach {what} from "
                 f"node {node} ({socket.gethostname()}) within {timeout:g} s ({error}). "
-                f"MASTER_ADDR is node 0's ({host0}) address. To fix it, " + _FIX
+                f"{whose} To fix it, " + _FIX
             )
     return None
 

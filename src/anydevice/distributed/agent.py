@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from anydevice.distributed import addressing, reaper, rendezvous
 from anydevice.distributed.failures import preempted, preemption, worker_failed
 from anydevice.distributed.rendezvous import LOOPBACK
-from anydevice.errors import DistributedTimeoutError
+from anydevice.errors import DistributedError, DistributedTimeoutError
 
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
@@ -298,6 +298,7 @@ def _agent_type() -> type[Any]:
     from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     class GracefulAgent(LocalElasticAgent):
         def __init__(self, *args: Any, grace: float, timeout: float, **kwargs: Any) -> None:
@@ -325,16 +326,21 @@ def _agent_type() -> type[Any]:
             if worker_group.group_world_size < 2:
                 return
             handler = worker_group.spec.rdzv_handler
-            addressing.check_reach(
-                worker_group.store,
-                node=worker_group.group_rank,
-                nodes=worker_group.group_world_size,
-                master_addr=worker_group.master_addr,
-                # Served already where the agents share it; else a worker serves it later.
-                master_port=worker_group.master_port if handler.use_agent_store else None,
-                listen_addr=worker_group.spec.local_addr,
-                timeout=self.timeout,
-            )
+            try:
+                addressing.check_reach(
+                    worker_group.store,
+                    node=worker_group.group_rank,
+                    nodes=worker_group.group_world_size,
+                    master_addr=worker_group.master_addr,
+                    # Served already where the agents share it; else a worker serves it.
+                    master_port=worker_group.master_port if handler.use_agent_store else None,
+                    listen_addr=worker_group.spec.local_addr,
+                    timeout=self.timeout,
+                )
+            except DistributedError:
+                raise
+            except (RuntimeError, OSError) as e:  # the rendezvous store stopped answering
+                raise RendezvousConnectionError(str(e)) from e
 
         def _invoke_run(self, role: str = DEFAULT_ROLE) -> Any:
             try:
