@@ -241,3 +241,51 @@ def test_a_node_whose_workers_listen_where_the_next_cannot_reach_is_named():
         f"The nodes met at the rendezvous; the workers could not reach node 1's address "
         f"127.0.0.1:{closed} from node 0"
     ), text
+
+
+# ----------------------------------------------------------------------------- listening
+
+
+def _listening() -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_the_stores_of_several_nodes_listen_on_this_nodes_address_only():
+    """The rendezvous store that node 0 serves, and the workers' store that the
+    rendezvous' node 0 serves (torch's handler makes it), listen on the address the peers
+    were told, not on every interface as torch's do."""
+    from anydevice.distributed import rendezvous
+
+    addr, _ = _outward()
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        port = int(s.getsockname()[1])
+    chosen = addressing.settle(plan(1, nnodes=2, node_rank=0, rdzv_endpoint=f"{addr}:{port}"))
+    assert chosen.local_addr == addr
+    with rendezvous.open_rendezvous(chosen, 10) as handler:
+        workers = handler._create_tcp_store_server(chosen.local_addr, 0)
+        listening = _listening()
+        for at in (port, workers.port):
+            assert (addr, at) in listening, listening
+            assert not {("0.0.0.0", at), ("::", at)} & listening, listening
+        del workers
+
+
+def test_a_name_that_resolves_to_loopback_here_keeps_torchs_listener():
+    from anydevice.distributed.rendezvous import _listen_address
+
+    addr, _ = _outward()
+    assert _listen_address(addr) == addr
+    assert _listen_address("localhost") == "127.0.0.1"
+    assert _listen_address("[::1]") == "::1"
+    assert _listen_address("203.0.113.77") is None  # not this machine's: torch's store
+    name = socket.gethostname()
+    resolved = addressing.local_address(name)
+    if resolved is None or not resolved.startswith("127."):
+        pytest.skip(f"{name!r} does not resolve to loopback here (it does in many containers)")
+    # The peers may resolve it to this node's address: listening on loopback would lose them.
+    assert _listen_address(name) is None

@@ -272,7 +272,7 @@ def check_reach(
                     "their workers reach the others: they stopped or are stuck (their output "
                     "says why)."
                 )
-            time.sleep(0.05)
+            time.sleep(0.1)
     said = [store.get(f"{_KEY}/said/{q}").decode() for q in range(nodes)]
     if failed := next((text for text in said if text), None):
         raise DistributedTimeoutError(failed)
