@@ -261,6 +261,8 @@ def check_reach(
             timeout=timeout,
         )
         store.set(f"{_KEY}/said/{node}", failed or "")
+        if failed:
+            store.add(f"{_KEY}/failed", 1)
         store.add(f"{_KEY}/done", 1)
         # Stay listening until every node has tried this one, or its time is up.
         while store.add(f"{_KEY}/done", 0) < nodes:
@@ -273,9 +275,14 @@ def check_reach(
                     "says why)."
                 )
             time.sleep(0.1)
-    said = [store.get(f"{_KEY}/said/{q}").decode() for q in range(nodes)]
-    if failed := next((text for text in said if text), None):
-        raise DistributedTimeoutError(failed)
+    if store.add(f"{_KEY}/failed", 0) == 0:  # one request where all went well
+        return
+    said = {q: store.get(f"{_KEY}/said/{q}").decode() for q in range(nodes)}
+    failing = [q for q, text in said.items() if text]
+    more = ""
+    if len(failing) > 1:
+        more = f" Node(s) {', '.join(map(str, failing[1:]))} failed too (their output says how)."
+    raise DistributedTimeoutError(said[failing[0]] + more)
 
 
 def _try(
