@@ -289,3 +289,22 @@ def test_a_name_that_resolves_to_loopback_here_keeps_torchs_listener():
         pytest.skip(f"{name!r} does not resolve to loopback here (it does in many containers)")
     # The peers may resolve it to this node's address: listening on loopback would lose them.
     assert _listen_address(name) is None
+
+
+@pytest.mark.parametrize("libuv", [True, False], ids=["libuv", "before-torch-2.8"])
+def test_a_store_served_on_a_bound_socket_answers_on_either_backend(monkeypatch, libuv):
+    """Before torch 2.8 the libuv store refused a socket it was handed (or never listened
+    on it): the older store serves it there."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from anydevice.distributed import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_libuv_takes_a_socket", lambda: libuv)
+    server = rendezvous._served_on("127.0.0.1", 0, timedelta(seconds=10))
+    assert server.libuvBackend is libuv
+    assert ("127.0.0.1", server.port) in _listening()
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
+    client.set("key", "value")
+    assert server.get("key") == b"value"

@@ -254,7 +254,18 @@ def _served_on(addr: str, port: int, timeout: timedelta) -> Any:
         master_listen_fd=fd,
         timeout=timeout,
         wait_for_workers=False,
+        **({} if _libuv_takes_a_socket() else {"use_libuv": False}),
     )
+
+
+def _libuv_takes_a_socket() -> bool:
+    """Whether torch's libuv store serves on a socket it is handed (torch 2.8 on,
+    pytorch#150215): before, it refused one, or never listened on it; its older store
+    (``use_libuv=False``) always did."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
 
 
 def _handler_type() -> type[Any]:
