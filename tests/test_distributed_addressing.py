@@ -293,8 +293,8 @@ def test_a_name_that_resolves_to_loopback_here_keeps_torchs_listener():
 
 @pytest.mark.parametrize("libuv", [True, False], ids=["libuv", "before-torch-2.8"])
 def test_a_store_served_on_a_bound_socket_answers_on_either_backend(monkeypatch, libuv):
-    """Before torch 2.8 the libuv store refused a socket it was handed (or never listened
-    on it): the older store serves it there."""
+    """Before torch 2.8 the libuv store refused a socket it was handed (torch 2.6 and 2.7
+    raised NotImplementedError): the older store serves on it there."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore

@@ -259,9 +259,9 @@ def _served_on(addr: str, port: int, timeout: timedelta) -> Any:
 
 
 def _libuv_takes_a_socket() -> bool:
-    """Whether torch's libuv store serves on a socket it is handed (torch 2.8 on,
-    pytorch#150215): before, it refused one, or never listened on it; its older store
-    (``use_libuv=False``) always did."""
+    """Whether torch's libuv store serves on a socket it is handed: from torch 2.8
+    (pytorch#150215). From 2.4, where it became the default, it refused one
+    (``NotImplementedError``); torch's older store (``use_libuv=False``) always took one."""
     import torch
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
