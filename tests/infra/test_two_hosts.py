@@ -6,7 +6,11 @@ What it proves: ``anydevice launch --nnodes 2 --rdzv-endpoint <node 0>:PORT`` on
 meets, trains a DDP model over gloo across the link and reaches the weights one host reaches
 on the whole batch; and it does so where each host's name resolves to 127.0.0.1 (many
 containers, Kaggle, Colab), where the workers must be told the address that reaches the
-rendezvous rather than the hostname's.
+rendezvous rather than the hostname's. While they train, nothing of the launch listens on
+every interface of a host (``ss -ltn`` in its namespace): the stores and gloo's sockets
+listen on its address on the link. And where a node gives an address the other cannot
+reach (loopback), both stop within ``--timeout``, saying which address from which node,
+where the workers waited out ``init_process_group``'s 30 minutes.
 
 Everything is started here and stopped by pid; the namespaces, the veth pair and the
 ``/etc/netns`` entries are removed afterwards.
@@ -237,9 +241,11 @@ def _check(hosts: Hosts, outputs: list[str], out: Path, restarts: bool = False) 
         listening = [line.split()[1] for line in text.splitlines() if line.startswith("LISTENING")]
         if restarts and node == 0:
             # Where the workers' store is not the agents' (restarts, node ranges), rank 0's
-            # worker serves it as torch makes it, on every interface (docs/distributed.md).
+            # worker serves it as torch makes it, on every interface (docs/api.md).
             port = text.split("MASTER_PORT ", 1)[1].split()[0]
-            listening.remove(f"*:{port}")
+            wild = [f"{host}:{port}" for host in ("*", "0.0.0.0", "[::]")]
+            assert len(set(wild) & set(listening)) == 1, listening
+            listening = [at for at in listening if at not in wild]
         where = {at.rpartition(":")[0].strip("[]").split("%")[0] for at in listening}
         assert where <= {hosts.addrs[node], "127.0.0.1", "::1"}, listening
         assert hosts.addrs[node] in where, listening  # gloo's sockets, at least
