@@ -6,7 +6,11 @@ What it proves: ``anydevice launch --nnodes 2 --rdzv-endpoint <node 0>:PORT`` on
 meets, trains a DDP model over gloo across the link and reaches the weights one host reaches
 on the whole batch; and it does so where each host's name resolves to 127.0.0.1 (many
 containers, Kaggle, Colab), where the workers must be told the address that reaches the
-rendezvous rather than the hostname's.
+rendezvous rather than the hostname's. While they train, nothing of the launch listens on
+every interface of a host (``ss -ltn`` in its namespace): the stores and gloo's sockets
+listen on its address on the link. And where a node gives an address the other cannot
+reach (loopback), both stop within ``--timeout``, saying which address from which node,
+where the workers waited out ``init_process_group``'s 30 minutes.
 
 Everything is started here and stopped by pid; the namespaces, the veth pair and the
 ``/etc/netns`` entries are removed afterwards.
@@ -20,6 +24,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +35,13 @@ import torch
 SRC = Path(__file__).resolve().parents[2] / "src"
 PORT = 29400
 STEPS = 5
+TIMEOUT = 10  #: --timeout where a launch is to fail
 
 TRAIN = textwrap.dedent(
     f"""
     import os
     import socket
+    import subprocess
     import sys
 
     import torch
@@ -58,7 +65,16 @@ TRAIN = textwrap.dedent(
                 opt.step()
             print("RANK", d.rank, "OF", d.world_size, "ON", socket.gethostname(), flush=True)
             print("MASTER_ADDR", os.environ["MASTER_ADDR"], flush=True)
+            print("MASTER_PORT", os.environ["MASTER_PORT"], flush=True)
             print("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME"), flush=True)
+            d.barrier()  # every store and socket of the launch is up on both hosts
+            # What listens on this host (its namespace holds this launch alone).
+            listening = subprocess.run(
+                ["ss", "-ltnH"], capture_output=True, text=True, check=True
+            ).stdout
+            for line in listening.splitlines():
+                print("LISTENING", line.split()[3], flush=True)
+            d.barrier()
             if d.rank == 0:
                 torch.save(model.state_dict(), sys.argv[1])
     """
@@ -164,7 +180,15 @@ def loopback_hostnames() -> Iterator[Hosts]:
     yield from _hosts(loopback_hostnames=True)
 
 
-def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
+def _launch_both(
+    hosts: Hosts,
+    tmp_path: Path,
+    extra: tuple[list[str], list[str]] = ([], []),
+    timeout: int = 60,
+    expect: int = 0,
+) -> tuple[list[str], Path]:
+    """``anydevice launch`` on both hosts (``extra``: each one's further options); their
+    outputs, once both ended with ``expect``, and where rank 0 saves the weights."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     out = tmp_path / "weights.pt"
@@ -175,7 +199,7 @@ def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
         launch = [
             sys.executable, "-m", "anydevice", "launch", "--nnodes", "2", "--node-rank",
             str(node), "-n", "1", "--rdzv-endpoint", f"{hosts.addrs[0]}:{PORT}",
-            "--timeout", "60", str(script), str(out),
+            "--timeout", str(timeout), *extra[node], str(script), str(out),
         ]  # fmt: skip
         inner = f"hostname {hostname} && exec " + " ".join(launch)
         procs.append(
@@ -192,18 +216,19 @@ def _launch_both(hosts: Hosts, tmp_path: Path) -> tuple[list[str], Path]:
     outputs = []
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=150)[0])
+            # A launch meant to fail gets its timeout and time to start, not 30 minutes.
+            outputs.append(p.communicate(timeout=150 if expect == 0 else timeout + 60)[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
     for p, text in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, f"node exited {p.returncode}:\n{text}"
+        assert p.returncode == expect, f"node exited {p.returncode}:\n{text}"
     return outputs, out
 
 
-def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
+def _check(hosts: Hosts, outputs: list[str], out: Path, restarts: bool = False) -> None:
     for node, text in enumerate(outputs):
         assert f"RANK {node} OF 2 ON {hosts.hostnames[node]}" in text, text
         # c10d's reverse lookups of peers without a name stay out of the launch's output.
@@ -211,6 +236,21 @@ def _check(hosts: Hosts, outputs: list[str], out: Path) -> None:
         # The workers meet at node 0's address on the link, over each node's end of it.
         assert f"MASTER_ADDR {hosts.addrs[0]}" in text, text
         assert f"GLOO_SOCKET_IFNAME {hosts.veths[node]}" in text, text
+        # Nothing of the launch listens on every interface: only on the address the peer
+        # reaches (the stores, gloo's sockets), or on loopback.
+        listening = [line.split()[1] for line in text.splitlines() if line.startswith("LISTENING")]
+        if restarts and node == 0:
+            # Where the workers' store is not the agents' (restarts, node ranges), rank 0's
+            # worker serves it as torch makes it, on every interface (docs/api.md).
+            port = text.split("MASTER_PORT ", 1)[1].split()[0]
+            wild = [f"{host}:{port}" for host in ("*", "0.0.0.0", "[::]")]
+            assert len(set(wild) & set(listening)) == 1, listening
+            listening = [at for at in listening if at not in wild]
+        where = {at.rpartition(":")[0].strip("[]").split("%")[0] for at in listening}
+        assert where <= {hosts.addrs[node], "127.0.0.1", "::1"}, listening
+        assert hosts.addrs[node] in where, listening  # gloo's sockets, at least
+        if node == 0:
+            assert f"{hosts.addrs[0]}:{PORT}" in listening, listening  # the rendezvous store
     got = torch.load(out, weights_only=True)
     want = one_host_weights()
     assert set(got) == set(want)
@@ -228,3 +268,67 @@ def test_ddp_across_two_hosts_whose_hostnames_are_loopback(
 ) -> None:
     outputs, out = _launch_both(loopback_hostnames, tmp_path)
     _check(loopback_hostnames, outputs, out)
+
+
+def test_workers_that_cannot_reach_master_addr_stop_within_the_timeout(
+    distinct_hostnames: Hosts, tmp_path: Path
+) -> None:
+    """Node 0 gives a loopback address: the nodes meet at the rendezvous (on the link), and
+    node 1's workers would be told ``MASTER_ADDR=127.0.0.1``, their own loopback, and wait
+    out ``init_process_group``'s 30 minutes. Both nodes stop within the timeout instead,
+    saying so. (Node 1 gives its name, which sorts after 127.0.0.1: node 0 is the
+    rendezvous' node 0, whose address is ``MASTER_ADDR``.)"""
+    hosts = distinct_hostnames
+    start = time.monotonic()
+    outputs, _ = _launch_both(
+        hosts,
+        tmp_path,
+        extra=(["--local-addr", "127.0.0.1"], ["--local-addr", hosts.hostnames[1]]),
+        timeout=TIMEOUT,
+        expect=1,
+    )
+    took = time.monotonic() - start
+    for text in outputs:
+        assert "the nodes met at the rendezvous; the workers could not reach " in text.lower()
+        assert "MASTER_ADDR=127.0.0.1:" in text, text
+        assert f"from node 1 ({hosts.hostnames[1]}) within {TIMEOUT} s" in text, text
+        assert "--local-addr" in text and "GLOO_SOCKET_IFNAME" in text, text
+        assert "firewall" in text, text
+        assert "cannot reach the rendezvous" not in text.lower(), text
+        assert " OF 2 ON " not in text, text  # no worker started
+    # The timeout, plus starting Python and torch twice on a shared machine.
+    assert took < TIMEOUT + 60, took
+
+
+def test_workers_that_cannot_reach_the_next_nodes_stop_within_the_timeout(
+    distinct_hostnames: Hosts, tmp_path: Path
+) -> None:
+    """Node 0 gives a loopback address, node 1 the route's (its address on the link),
+    which sorts first: node 1 is the rendezvous' node 0, whose address, ``MASTER_ADDR``,
+    both reach; but node 0's workers would listen on its loopback, where node 1's cannot
+    connect. Both nodes stop within the timeout, naming that address. (Gloo with these two
+    nodes got through before, as node 0's side happens to open their connection; with
+    NCCL, whose bootstrap ring connects each rank to the next one's listener, or a third
+    node, the workers waited out init_process_group's 30 minutes.)"""
+    hosts = distinct_hostnames
+    start = time.monotonic()
+    outputs, _ = _launch_both(
+        hosts, tmp_path, extra=(["--local-addr", "127.0.0.1"], []), timeout=TIMEOUT, expect=1
+    )
+    took = time.monotonic() - start
+    for text in outputs:
+        assert (
+            "The nodes met at the rendezvous; the workers could not reach node 1's address "
+            "127.0.0.1:"
+        ) in text, text
+        assert f"from node 0 ({hosts.hostnames[1]}) within {TIMEOUT} s" in text, text
+        assert " OF 2 ON " not in text, text
+    assert took < TIMEOUT + 60, took
+
+
+def test_ddp_across_two_hosts_with_restarts(distinct_hostnames: Hosts, tmp_path: Path) -> None:
+    """With restarts the workers' store is not the agents' but rank 0's worker's, served
+    once it starts: the check tries node 0's address in its stead."""
+    restarts = ["--max-restarts", "1"]
+    outputs, out = _launch_both(distinct_hostnames, tmp_path, extra=(restarts, restarts))
+    _check(distinct_hostnames, outputs, out, restarts=True)

@@ -3,13 +3,15 @@
 The agent is torchrun's (``LocalElasticAgent`` with the c10d rendezvous); this module
 builds it by hand rather than through ``elastic_launch``, for what that cannot be told:
 
-* **Nothing listens beyond loopback** when the nodes meet on a loopback address (one
-  node, or several on this machine): the rendezvous store and the store the workers share
-  serve on sockets bound to 127.0.0.1 beforehand (``TCPStore(master_listen_fd=...)``);
+* **Nothing listens beyond the address the peers reach**: the rendezvous store and the
+  store the workers share serve on sockets bound beforehand (``TCPStore(master_listen_fd=
+  ...)``) to 127.0.0.1 when the nodes meet on loopback (one node, or several on this
+  machine), else to this node's address (:mod:`~anydevice.distributed.rendezvous`);
   torch's own listen on every interface.
 * **Every wait is bounded by ``timeout``**: reaching the rendezvous store (torch waits 60 s
-  per try, and tries twice), joining, the exit barrier; stopped workers get 5 s before
-  SIGKILL.
+  per try, and tries twice), joining, the workers of each node reaching the others' after
+  the rendezvous (checked before they start: :func:`~anydevice.distributed.addressing.
+  check_reach`), the exit barrier; stopped workers get 5 s before SIGKILL.
 * **Nothing outlives the launcher**: workers die with it (:mod:`~anydevice.distributed.runner`),
   and a small guardian process, started first, removes the launch's private directory
   (logs, error files, stacks) when the launcher is gone, even after SIGKILL.
@@ -36,10 +38,10 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anydevice.distributed import reaper, rendezvous
+from anydevice.distributed import addressing, reaper, rendezvous
 from anydevice.distributed.failures import preempted, preemption, worker_failed
 from anydevice.distributed.rendezvous import LOOPBACK
-from anydevice.errors import DistributedTimeoutError
+from anydevice.errors import DistributedError, DistributedTimeoutError
 
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
@@ -125,6 +127,7 @@ def run_agent(
                 exit_barrier_timeout=timeout,
                 shutdown_timeout=_STOP_GRACE,
                 grace=chosen.grace,
+                timeout=timeout,
             )
             result = agent.run()
         except SignalException as e:
@@ -295,11 +298,13 @@ def _agent_type() -> type[Any]:
     from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     class GracefulAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, grace: float, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, grace: float, timeout: float, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.grace = grace
+            self.timeout = timeout
             self.signalled: signal.Signals | None = None
             self.took: float | None = None  #: seconds from the signal to the workers' exit
 
@@ -310,6 +315,32 @@ def _agent_type() -> type[Any]:
             ranks = {w.local_rank: w.global_rank for w in self._worker_group.workers}
             files = self._pcontext.error_files.items()
             return {ranks.get(local, local): str(path) for local, path in files}
+
+        def _rendezvous(self, worker_group: Any) -> None:
+            """The rendezvous, then (several nodes) the check that each node's workers
+            will reach the others' (:func:`~anydevice.distributed.addressing.check_reach`),
+            before any worker starts: where they cannot, every node stops with what failed
+            where, within ``timeout``, rather than its workers waiting out
+            ``init_process_group``'s (30 minutes by default)."""
+            super()._rendezvous(worker_group)
+            if worker_group.group_world_size < 2:
+                return
+            handler = worker_group.spec.rdzv_handler
+            try:
+                addressing.check_reach(
+                    worker_group.store,
+                    node=worker_group.group_rank,
+                    nodes=worker_group.group_world_size,
+                    master_addr=worker_group.master_addr,
+                    # Served already where the agents share it; else a worker serves it.
+                    master_port=worker_group.master_port if handler.use_agent_store else None,
+                    listen_addr=worker_group.spec.local_addr,
+                    timeout=self.timeout,
+                )
+            except DistributedError:
+                raise
+            except (RuntimeError, OSError) as e:  # the rendezvous store stopped answering
+                raise RendezvousConnectionError(str(e)) from e
 
         def _invoke_run(self, role: str = DEFAULT_ROLE) -> Any:
             try:

@@ -13,6 +13,14 @@ Here each wait is bounded by the launch's ``timeout``, and the error says what a
   and writes with ``SO_RCVTIMEO``/``SO_SNDTIMEO`` set to ``timeout``, so a store that stops
   answering mid-way fails the request instead of hanging it.
 
+**Nothing listens beyond the address the peers were told**: the rendezvous store listens
+on the endpoint's address, and the workers' store (the one ``MASTER_ADDR`` names, which the
+agent of the rendezvous' node 0 serves) on that node's address (``--local-addr``, or the
+route's source address), each on a socket bound beforehand and handed to torch
+(``TCPStore(master_listen_fd=...)``); torch's own listen on every interface. Where that
+address is not this machine's, or is a name that resolves to loopback here (the peers may
+resolve it otherwise), torch's are kept.
+
 An endpoint that **another job** holds is named as such, rather than joined: node 0 whose
 port is taken is told what holds it (a torch store, or which program), and a node that
 reaches a rendezvous that is closed, or complete with all its nodes alive, is told that
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import pickle
 import socket
@@ -38,6 +47,7 @@ from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+from anydevice.distributed import addressing
 from anydevice.errors import DistributedError, DistributedTimeoutError
 
 if TYPE_CHECKING:
@@ -54,8 +64,8 @@ _ALIVE = timedelta(seconds=5 * 3)
 
 @contextlib.contextmanager
 def open_rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
-    """torch's c10d rendezvous handler for the plan, on a store bound to loopback where
-    the nodes meet on loopback; shut down afterwards.
+    """torch's c10d rendezvous handler for the plan, its stores listening only on the
+    addresses the peers were told (see the module's docstring); shut down afterwards.
 
     Raises:
         DistributedError: another job holds the endpoint (its port, or its rendezvous).
@@ -64,24 +74,19 @@ def open_rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
         RendezvousConnectionError: (torch's) nothing accepted a connection in time, or a
             request to the store failed; :func:`unreachable` words it.
     """
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        RendezvousTimeout,
-    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
     host, _, port_text = chosen.rdzv_endpoint.rpartition(":")
     port = int(port_text)
     is_host = chosen.rdzv_configs.get("is_host")
-    handler_type: type[Any] = DynamicRendezvousHandler
     if host in LOOPBACK:
         store, sockets = _loopback_store(chosen, host, port, is_host, timeout)
-        handler_type = _loopback_handler_type()
     else:
         store, sockets = _store(chosen, host, port, is_host, timeout)
     backend = _backend(store, chosen.run_id, sockets)
     if sockets is not None:  # a client: the rendezvous there may be another job's
         _check_not_taken(backend, chosen)
-    handler = handler_type.from_backend(
+    handler = _handler_type().from_backend(
         chosen.run_id,
         store,
         backend,
@@ -191,27 +196,51 @@ def _store(
 
     hosting = _matches_machine_hostname(host) if is_host is None else is_host
     if hosting:
+        limit = timedelta(seconds=timeout)
+        bind = _listen_address(host)
         try:
-            store = TCPStore(
-                host, port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=timeout)
-            )
+            if bind is not None:  # the peers reach this node there: listen there only
+                return _served_on(bind, port, max(limit, timedelta(seconds=60))), None
+            store = TCPStore(host, port, is_master=True, multi_tenant=True, timeout=limit)
             return store, None
-        except (RuntimeError, ValueError, TimeoutError) as e:
+        except (OSError, RuntimeError, ValueError, TimeoutError) as e:
             if is_host:
                 raise _port_taken(chosen, host, port, e, timeout) from e
     return _client(chosen, host, port, timeout)
 
 
+def _listen_address(host: str) -> str | None:
+    """The address of this machine to serve ``host``'s peers on: ``host`` where it is one
+    of this machine's addresses, or a name that resolves to one beyond loopback here;
+    ``None`` otherwise (torch's store then listens on every interface)."""
+    if host in LOOPBACK:
+        return "::1" if host in ("::1", "[::1]") else "127.0.0.1"
+    local = addressing.local_address(host)
+    if local is None:
+        return None
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%")[0])
+        return local  # an address of this machine, as the peers were told
+    except ValueError:  # a name: the peers may resolve it otherwise if it is loopback here
+        return None if ipaddress.ip_address(local.split("%")[0]).is_loopback else local
+
+
 def _served_on_loopback(host: str, port: int, timeout: timedelta) -> Any:
     """A ``TCPStore`` server listening on ``host:port`` (port 0: one the OS picks), bound
     to loopback only."""
+    return _served_on("::1" if host in ("::1", "[::1]") else "127.0.0.1", port, timeout)
+
+
+def _served_on(addr: str, port: int, timeout: timedelta) -> Any:
+    """A ``TCPStore`` server listening on address ``addr`` only, port ``port`` (0: one
+    the OS picks)."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
 
-    six = host in ("::1", "[::1]")
+    six = ":" in addr
     sock = socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("::1" if six else "127.0.0.1", port))
+        sock.bind((addr, port))
         sock.listen(512)
         bound = int(sock.getsockname()[1])
     except OSError:
@@ -219,27 +248,42 @@ def _served_on_loopback(host: str, port: int, timeout: timedelta) -> Any:
         raise
     fd = sock.detach()  # the store owns the socket from here on and closes it
     return TCPStore(
-        "::1" if six else "127.0.0.1",
+        addr,
         bound,
         is_master=True,
         master_listen_fd=fd,
         timeout=timeout,
         wait_for_workers=False,
+        **({} if _libuv_takes_a_socket() else {"use_libuv": False}),
     )
 
 
-def _loopback_handler_type() -> type[Any]:
-    """torch's rendezvous handler whose shared worker store (the one ``MASTER_PORT``
-    names, which the workers' process group uses) listens on loopback too."""
+def _libuv_takes_a_socket() -> bool:
+    """Whether torch's libuv store serves on a socket it is handed: from torch 2.8
+    (pytorch#150215). From 2.4, where it became the default, it refused one
+    (``NotImplementedError``); torch's older store (``use_libuv=False``) always took one."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+def _handler_type() -> type[Any]:
+    """torch's rendezvous handler whose shared worker store (the one ``MASTER_ADDR`` and
+    ``MASTER_PORT`` name, which the workers' process group uses) listens only on this
+    node's address (:func:`_listen_address`)."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
     )
 
-    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
+    class BoundRendezvousHandler(DynamicRendezvousHandler):
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
-            return _served_on_loopback(master_addr, master_port, timedelta(minutes=30))
+            bind = _listen_address(master_addr)
+            if bind is None:
+                return super()._create_tcp_store_server(master_addr, master_port)
+            return _served_on(bind, master_port, timedelta(minutes=30))
 
-    return LoopbackRendezvousHandler
+    return BoundRendezvousHandler
 
 
 def _client(chosen: LaunchPlan, host: str, port: int, timeout: int) -> tuple[Any, set[int]]:
