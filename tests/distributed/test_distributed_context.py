@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -236,3 +239,46 @@ def test_srun_tasks_form_a_group_from_slurm_variables(tmp_path):
             return d.launcher, d.rank, d.world_size, ad.all_gather(d.local_rank)
 
     assert run_ranks(rank, 2, tmp_path) == [("slurm", 0, 2, [0, 1]), ("slurm", 1, 2, [0, 1])]
+
+
+#: Two ranks whose DDP model outlives the block in a module-level name, then exit normally.
+KEPT_MODEL = """\
+import atexit, os, sys
+import torch
+import anydevice as ad
+
+def after_anydevice():  # registered first, so it runs after anydevice's exit handler
+    print("reducer held at exit:", "reducer" in net.__dict__, flush=True)
+
+atexit.register(after_anydevice)
+with ad.distributed(init_method=sys.argv[1], timeout=60, device="cpu") as d:
+    net = ad.prepare(torch.nn.Linear(8, 8), strategy="ddp")
+    net(torch.randn(4, 8)).sum().backward()
+    ad.all_reduce(torch.ones(4))
+print("trained", d.rank, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_ddp_model_kept_past_the_block_lets_its_group_go_at_exit(tmp_path):
+    """The block keeps the groups it destroyed; at exit the model still held drops its
+    reducer first, so the groups end in the exit handler (GIL released), not from the
+    reducer (GIL held: a hang) nor in the interpreter's finalisation (an abort)."""
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_MODEL)
+    init = f"file://{tmp_path}/store"
+    procs = []
+    for r in (0, 1):
+        world = {"RANK": r, "WORLD_SIZE": 2, "LOCAL_RANK": r, "LOCAL_WORLD_SIZE": 2}
+        env = {**os.environ, **{k: str(v) for k, v in world.items()}}
+        cmd = [sys.executable, str(script), init]
+        procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=PIPE, stderr=PIPE))
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, err[-3000:]
+        assert out.splitlines() == [f"trained {r}", "reducer held at exit: False"], out + err
+        assert "terminate called" not in err and "Warning" not in err, err[-3000:]

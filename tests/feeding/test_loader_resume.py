@@ -4,11 +4,16 @@ DataLoader workers, a DistributedSampler on two real gloo ranks, and a real SIGT
 
 from __future__ import annotations
 
+import functools
+import os
+import signal
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import anydevice as ad
+from ranks import process_tree_guard, run_ranks
 
 N, BATCH = 20, 3
 
@@ -96,3 +101,69 @@ def test_save_state_and_load_state_carry_the_loader(tmp_path, caplog):
         ad.save_state(tmp_path / "x.pt", model=net, loader=[1, 2])
     with pytest.raises(ValueError, match="lacks"):
         _loader(0).load_state_dict({"epoch": 1})
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+STEPS = 8  # batches per rank per epoch
+
+
+def _job(folder, stop_at: int | None):
+    """Two ranks train one epoch over a DistributedSampler; with ``stop_at``, rank 0 sends
+    rank 1 a real SIGTERM after that many steps, every rank saves (loader included) and
+    exits; without, the run resumes from the checkpoint if there is one."""
+
+    def rank(init_method: str) -> dict:
+        out: dict = {"losses": [], "batches": []}
+        torch.manual_seed(0)
+
+        def save() -> None:
+            ad.save_state(folder / "ckpt", model=net, optimizer=opt, loader=loader)
+
+        try:
+            with ad.distributed(init_method=init_method, timeout=30, on_preempt=save) as d:
+                data = TensorDataset(torch.arange(float(2 * STEPS * 2)).unsqueeze(1))
+                net, loader, opt = ad.prepare(
+                    torch.nn.Linear(1, 1),
+                    DataLoader(data, batch_size=2, shuffle=True),
+                    functools.partial(torch.optim.SGD, lr=0.01),
+                    strategy="ddp",
+                )
+                if stop_at is None and (folder / "ckpt").exists():
+                    ad.load_state(folder / "ckpt", model=net, optimizer=opt, loader=loader)
+                out["left"] = len(loader)
+                pids = ad.all_gather(os.getpid())
+                for s, (x,) in enumerate(loader):
+                    opt.zero_grad()
+                    loss = (net(x) - 2 * x).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    out["losses"].append(float(ad.all_reduce(loss.detach(), op="sum")))
+                    out["batches"].append(x.flatten().tolist())
+                    if stop_at is not None and d.rank == 0 and s + 1 == stop_at:
+                        os.kill(pids[1], signal.SIGTERM)  # only rank 1 is told
+                    d.check_preemption()
+        except SystemExit as e:
+            out["exit"] = e.code
+        return out
+
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)  # three two-rank runs, one after another, on a loaded machine
+def test_a_job_preempted_mid_epoch_resumes_at_the_next_batch_with_the_same_losses(tmp_path):
+    with process_tree_guard():
+        for name in ("a", "b", "c", "whole", "stopped", "resumed"):
+            (tmp_path / name).mkdir()
+        whole = run_ranks(_job(tmp_path / "a", None), 2, tmp_path / "whole", timeout=120)
+        stopped = run_ranks(_job(tmp_path / "b", 3), 2, tmp_path / "stopped", timeout=120)
+        assert all(r["exit"] == 128 + signal.SIGTERM for r in stopped), stopped
+        done = len(stopped[0]["losses"])
+        assert done in (3, 4) and all(len(r["losses"]) == done for r in stopped)
+        os.replace(tmp_path / "b" / "ckpt", tmp_path / "c" / "ckpt")
+        resumed = run_ranks(_job(tmp_path / "c", None), 2, tmp_path / "resumed", timeout=120)
+    for r_whole, r_stop, r_res in zip(whole, stopped, resumed, strict=True):
+        assert r_res["left"] == STEPS - done
+        assert r_stop["batches"] + r_res["batches"] == r_whole["batches"]
+        assert r_stop["losses"] + r_res["losses"] == pytest.approx(r_whole["losses"], rel=1e-6)

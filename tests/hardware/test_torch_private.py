@@ -68,3 +68,24 @@ def test_the_host_cache_is_emptied_through_the_public_name_where_torch_has_it() 
     empty = tp.host_empty_cache()
     public = getattr(torch.accelerator, "empty_host_cache", None)
     assert empty is (public if public is not None else torch._C._host_emptyCache)
+
+
+def test_process_groups_lists_the_default_group_and_the_ones_made_from_it(tmp_path) -> None:
+    # In a child: a real one-rank gloo world, made and destroyed there.
+    code = (
+        "import torch.distributed as dist\n"
+        "from anydevice.hardware.backends.torch_private import process_groups\n"
+        "assert process_groups() == []\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+        "world_size=1)\n"
+        "sub = dist.new_group([0])\n"
+        "groups = process_groups()\n"
+        "assert groups[0] is dist.group.WORLD and sub in groups and len(groups) == 2, groups\n"
+        "dist.destroy_process_group()\n"
+        "assert process_groups() == []\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -11,11 +11,12 @@ Inside a launcher the context:
 3. initialises the process group: NCCL for CUDA, XCCL for XPU where torch has it, gloo for
    the CPU; a missing rank raises :class:`~anydevice.errors.DistributedTimeoutError` after
    ``timeout`` instead of hanging;
-4. on exit — also on error — collects garbage and then destroys the group. The order
-   matters: a DDP reducer freed after ``destroy_process_group`` can deadlock gloo's worker
-   threads against the GIL at interpreter exit. On error under a launcher, the traceback
-   goes to the worker's error file first, so the launcher names this rank, not a peer
-   that failed because this one closed the group.
+4. on exit — also on error — collects garbage and then destroys the group, keeping a
+   reference to it until the next block or the program's end (:func:`_teardown`): a DDP
+   model dropped after the block would otherwise free the group from its reducer, with
+   the GIL held while gloo's threads are joined — a rank that hangs as it exits. On error
+   under a launcher, the traceback goes to the worker's error file first, so the launcher
+   names this rank, not a peer that failed because this one closed the group.
 
 When the environment says ``WORLD_SIZE > 1`` but no group can be formed, it raises: it
 never lets ranks silently train independent copies.
@@ -23,7 +24,9 @@ never lets ranks silently train independent copies.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -227,13 +230,16 @@ def distributed(
             f"This process is {world.describe()}, but this torch build has no "
             "torch.distributed. Install a torch build with distributed support."
         )
+    _release_retired()  # the last block's groups, where no model holds them any more
     dev = rank_device(device, world.local_rank)
     name = backend_for(dev) if backend == "auto" else backend
     _check_backend(name, dev, world)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_current_device(dev))
         _init(world, name, dev, timeout, init_method)
-        stack.callback(_teardown)
+        ended = _Ending()
+        stack.callback(lambda: _teardown(keep=ended.agreed))
+        stack.enter_context(ended)  # left first: says how the block ended to the teardown
         try:
             yield Distributed(
                 rank=world.rank,
@@ -451,13 +457,73 @@ def _record_for_launcher(e: Exception) -> None:
         record(e)
 
 
-def _teardown() -> None:
-    # Free what still holds the group (a dropped DDP model, its reducer, pending work)
-    # while the group is alive, then destroy it. A background save_state still writing
-    # needs the groups: it is waited for first (its error logged).
+#: The process groups the last block destroyed, held here (see :func:`_teardown`).
+_retired: list[object] = []
+
+
+class _Ending(contextlib.AbstractContextManager["_Ending"]):
+    """How the block ended: ``agreed`` where every rank ends it (it ran to its end, or a
+    preemption all ranks agreed on raised ``SystemExit``), not where this rank failed
+    alone."""
+
+    agreed = True
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.agreed = kind is None or issubclass(kind, SystemExit)
+
+
+def _teardown(*, keep: bool = True) -> None:
+    """Free what still holds the group (a dropped DDP model, its reducer, pending work)
+    while the group is alive, then destroy it; a background ``save_state`` still writing
+    needs the groups, so it is waited for first (its error logged).
+
+    A DDP model the program still holds keeps the groups past this point through its
+    reducer. Were the reducer their last holder, dropping the model later would free a
+    gloo group with the GIL held (torch frees a ``Reducer`` so), joining gloo's worker
+    threads while one of them may wait for the GIL to release the last collective's
+    tensors: the rank would hang as it exits. So the groups are also held here, from
+    Python, and let go of where torch releases the GIL for it (its holder of a process
+    group does): when the next block starts, and at exit (:func:`_release_retired`).
+    Not when this rank fails alone (``keep=False``): held, the group's connections would
+    stay open, and its peers would wait out their timeout instead of failing at once on
+    the closed connection, which is how they learn that this rank is gone.
+    """
     from anydevice.distributed.state import finish_for_teardown
+    from anydevice.hardware.backends.torch_private import process_groups
 
     finish_for_teardown()
     gc.collect()
     if dist.is_initialized():
+        _retired[:] = process_groups() if keep else []
         dist.destroy_process_group()
+        _release_at_exit()
+
+
+@functools.cache
+def _release_at_exit() -> None:
+    """Register :func:`_release_retired` to run at exit, once: after the program, before
+    the interpreter's finalisation (and before torch's own exit handlers, registered
+    earlier), while every thread can still take the GIL."""
+    atexit.register(_release_retired, at_exit=True)
+
+
+def _release_retired(*, at_exit: bool = False) -> None:
+    """Let go of the groups past blocks destroyed. At exit, a DDP model the program still
+    holds (a module-level one) is first made to drop its reducer and logger, which hold
+    its group, so that this list's release is the group's last."""
+    if not _retired:
+        return
+    if at_exit:
+        from torch.nn.parallel import DistributedDataParallel
+
+        retired = {id(g) for g in _retired}
+        for obj in gc.get_objects():
+            # type(), not isinstance(): an object may answer __class__ with a warning
+            if (
+                issubclass(type(obj), DistributedDataParallel)
+                and id(obj.__dict__.get("process_group")) in retired
+            ):
+                obj.__dict__.pop("reducer", None)
+                obj.__dict__.pop("logger", None)
+    _retired.clear()
+    gc.collect()

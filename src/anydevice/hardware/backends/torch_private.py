@@ -23,6 +23,7 @@ __all__ = [
     "host_empty_cache",
     "primary_context_query",
     "privateuse1_name",
+    "process_groups",
     "record_memory_history",
     "set_fp32_precision",
     "snapshot_memory",
@@ -41,6 +42,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "_record_memory_history": ("torch.cuda.memory", "all"),
     "_snapshot": ("torch.cuda.memory", "all"),
     "trace_plot": ("torch.cuda._memory_viz", "all"),
+    "_world": ("torch.distributed.distributed_c10d", "all"),
 }
 
 
@@ -121,3 +123,17 @@ def trace_plot(snapshot: Any) -> str:
     from torch.cuda._memory_viz import trace_plot as plot
 
     return str(plot(snapshot))
+
+
+def process_groups() -> list[Any]:
+    """Every process group of this process, the default one first (torch's group
+    registry, ``distributed_c10d._world.pg_map``); without that registry, the default
+    group alone, where one exists."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", None) or ())
+    default = dist.group.WORLD if dist.is_initialized() else None
+    if default is not None and default not in groups:
+        groups.insert(0, default)
+    return groups
