@@ -108,7 +108,7 @@ STILL_BRANCHING = {
     "hardware/facts.py": 1,  # DeviceInfo.is_accelerator: the data's own definition
     "hardware/peaks.py": 1,  # the datasheet table lists NVIDIA GPUs
     "hardware/render.py": 1,  # nvidia-smi's index, UUID and PCI bus rows
-    "hardware/selection.py": 2,  # the grammar's words: meta, cpu
+    "hardware/selection.py": 1,  # the grammar's word: cpu, the host in the inventory
     "hardware/spec.py": 1,  # "cpu:0" is the CPU, "cpu:1" an error
 }
 

@@ -493,3 +493,10 @@ def test_anydevice_device_is_read_in_one_place():
     assert readers == [], f"read by name, not through selection.device_override: {readers}"
     assert device_override({DEVICE_VARIABLE: "  cpu "}) == "cpu"
     assert device_override({DEVICE_VARIABLE: " "}) is None
+
+
+def test_meta_selects_a_device_without_data_on_any_machine():
+    for inv in (machine(), machine(gpu(0))):
+        chosen = select(parse_spec("meta"), inv, environ={})
+        assert (chosen.kind, chosen.index, chosen.spec) == ("meta", None, "meta")
+        assert chosen.name == "meta (no data)" and not chosen.memory_total

@@ -85,10 +85,12 @@ def select(
     """
     env = os.environ if environ is None else environ
     kind = spec.kind
-    if kind == "meta":
-        return DeviceInfo(kind="meta", index=None, name="meta (no data)")
     if kind == "cpu":
         return _check_memory(inv.cpu, need_memory, inv, spec)
+    if kind in NO_INDEX:  # meta: no data, nothing here to look up; its backend names it
+        from anydevice.hardware.backends import runtime
+
+        return DeviceInfo(kind=kind, index=None, name=runtime(kind).label)
     if kind == "auto":
         return _auto(inv, need_memory, env, spec, current or {})
     if kind == "free":
