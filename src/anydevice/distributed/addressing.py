@@ -360,23 +360,29 @@ def _listener(addr: str | None) -> Iterator[int | None]:
     """A socket listening on ``addr`` (a port the system picks) for the block, and its
     port; ``None`` where ``addr`` is not given or is not this machine's."""
     local = local_address(addr) if addr else None
-    if local is None:
-        yield None
-        return
-    family = socket.AF_INET6 if ":" in local else socket.AF_INET
     try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = listening_socket(local, 0, backlog=64) if local is not None else None
     except OSError:
+        sock = None
+    if sock is None:
         yield None
         return
     with sock:
-        try:
-            sock.bind((local, 0))
-            sock.listen(64)
-        except OSError:
-            yield None
-            return
         yield int(sock.getsockname()[1])
+
+
+def listening_socket(addr: str, port: int, *, backlog: int) -> socket.socket:
+    """A TCP socket bound to ``addr:port`` (port 0: one the system picks) and listening,
+    on that address only; ``OSError`` where it cannot be, with nothing left open."""
+    sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _joined(host: str, port: int | str) -> str:

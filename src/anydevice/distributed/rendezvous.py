@@ -236,16 +236,8 @@ def _served_on(addr: str, port: int, timeout: timedelta) -> Any:
     the OS picks)."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
 
-    six = ":" in addr
-    sock = socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((addr, port))
-        sock.listen(512)
-        bound = int(sock.getsockname()[1])
-    except OSError:
-        sock.close()
-        raise
+    sock = addressing.listening_socket(addr, port, backlog=512)
+    bound = int(sock.getsockname()[1])
     fd = sock.detach()  # the store owns the socket from here on and closes it
     return TCPStore(
         addr,
