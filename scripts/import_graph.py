@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "anydevice"
 #: The subpackages (and top-level modules) by layer, lowest first: each imports only from
 #: layers below its own, through function-level imports too (docs/design.md draws them).
 LAYERS: tuple[frozenset[str], ...] = (
-    frozenset({"errors", "_version"}),
+    frozenset({"errors", "_version", "heartbeat"}),
     frozenset({"hardware"}),
     frozenset({"placement", "numerics", "extension"}),
     frozenset({"feeding", "measure"}),

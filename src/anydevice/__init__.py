@@ -7,7 +7,8 @@ device(type='cpu')
 The public API is what ``__all__`` lists; everything else is private. The package is laid
 out by concern, each layer importing only from those below it (``docs/design.md``):
 
-* :mod:`anydevice.errors` — the error tree; ``anydevice._version``.
+* :mod:`anydevice.errors` — the error tree; :mod:`anydevice.heartbeat` — what a process
+  is doing, published for ``anydevice top`` and the launcher; ``anydevice._version``.
 * :mod:`anydevice.hardware` — what devices are here and which to use; the backends.
 * :mod:`anydevice.placement` — where tensors are, moving them, checkpoints;
   :mod:`anydevice.numerics` — precision, matmul math, memory layout;
