@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     )
     from anydevice.errors import (
         AnydeviceError as AnydeviceError,
+        ArgumentError as ArgumentError,
         BatchSizeError as BatchSizeError,
         CheckpointError as CheckpointError,
         DeviceMismatchError as DeviceMismatchError,
@@ -174,6 +175,7 @@ _SOURCES: dict[str, str] = {
     "share": "anydevice.distributed",
     "unwrap": "anydevice.distributed",
     "AnydeviceError": "anydevice.errors",
+    "ArgumentError": "anydevice.errors",
     "BatchSizeError": "anydevice.errors",
     "CheckpointError": "anydevice.errors",
     "DeviceMismatchError": "anydevice.errors",
