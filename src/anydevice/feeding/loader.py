@@ -531,17 +531,17 @@ class _Producer:
 
         A DataLoader with worker processes always answers (a batch, or an error within
         seconds of a worker's death), so its producer is waited for however long the
-        machine's load makes that: it must not outlive the pass holding the workers.
+        machine's load makes that: it must not outlive the pass holding the workers. That
+        holds when a worker died too: the consumer hears of it at once, from torch's
+        SIGCHLD handler, while the producer is still inside ``next()``; it learns of it at
+        torch's next status check (within 5 s) and then ends the other workers and their
+        queues' threads, so when the error reaches the loop nothing of the pass is left.
         Another source's ``next()`` may wait for the consumer itself (a feedback loop):
         that wait is bounded by ``timeout``, after which the daemon thread ends once the
-        source answers. A DataLoader whose worker died (the consumer heard of it at once,
-        from torch's SIGCHLD handler) is not waited for: its producer learns of it at
-        torch's next status check (5 s) and then ends the other workers itself.
+        source answers.
         """
         self.stop.set()
         bounded = not _has_workers(self.source)
-        if not bounded and _a_worker_died(self.source):
-            return
         deadline = time.monotonic() + timeout
         while self.thread.is_alive():
             while True:  # unblock a producer waiting to put
@@ -573,14 +573,6 @@ def _has_length(source: Iterable[Any]) -> bool:
 def _has_workers(source: Iterator[Any]) -> bool:
     """Whether ``source`` is a DataLoader iterator with worker processes."""
     return callable(getattr(source, "_shutdown_workers", None))
-
-
-def _a_worker_died(source: Iterator[Any]) -> bool:
-    workers = getattr(source, "_workers", None) or []
-    try:
-        return any(not w.is_alive() for w in workers)
-    except (AssertionError, ValueError):  # not this process's children
-        return False
 
 
 def shut_down(source: Iterator[Any]) -> None:
