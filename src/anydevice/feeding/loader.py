@@ -786,14 +786,16 @@ class _Pass:
         return batch
 
     def close(self) -> None:
-        self.order.close()
-        if self.producer is not None:
-            self.producer.close()
-            if not self.producer.thread.is_alive():
-                shut_down(self.source)  # done by the producer; again costs nothing
-            self.producer = None
-        else:
-            shut_down(self.source)  # this thread iterated it
-        self.source = iter(())  # release the source iterator (a DataLoader's stops its workers)
-        self.ready = None
-        self.done = True
+        try:
+            if self.producer is not None:
+                self.producer.close()
+                if not self.producer.thread.is_alive():
+                    shut_down(self.source)  # done by the producer; again costs nothing
+                self.producer = None
+            else:
+                shut_down(self.source)  # this thread iterated it
+            self.source = iter(())  # release the source iterator (a DataLoader's: its workers)
+            self.ready = None
+            self.done = True
+        finally:
+            self.order.close()  # once nothing reads the sampler any more
