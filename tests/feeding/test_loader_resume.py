@@ -415,8 +415,8 @@ def test_bad_states_are_argument_errors_at_the_call_naming_the_key_and_what_to_d
             loader.load_state_dict(bad)
         assert "state_dict()" in str(info.value) or "load it with" in str(info.value)
         assert [_values(b) for b in loader] == [_values(b) for b in _loader(3)]  # untouched
-    without_generator = ad.DeviceLoader(DataLoader(TensorDataset(torch.arange(float(N))),
-                                                   batch_size=BATCH, shuffle=True), "cpu")  # fmt: skip
+    plain = DataLoader(TensorDataset(torch.arange(float(N))), batch_size=BATCH, shuffle=True)
+    without_generator = ad.DeviceLoader(plain, "cpu")
     with pytest.raises(ad.ArgumentError, match="sampler has none"):
         without_generator.load_state_dict(state)
 
@@ -436,8 +436,9 @@ def test_a_state_resumes_on_another_batch_size_where_the_samples_seen_make_whole
     seen = [v for _ in range(2) for v in _values(next(it))]  # 6 samples: 2 batches of 3
     state = first.state_dict()
     del it
-    halves = ad.DeviceLoader(DataLoader(TensorDataset(torch.arange(float(N))), batch_size=2,
-                                        shuffle=True, generator=torch.Generator()), "cpu")  # fmt: skip
+    data = TensorDataset(torch.arange(float(N)))
+    g = torch.Generator()  # any seed: the state's generator decides
+    halves = ad.DeviceLoader(DataLoader(data, batch_size=2, shuffle=True, generator=g), "cpu")
     halves.load_state_dict(state)
     assert len(halves) == (N - 6) // 2
     rest = [v for b in halves for v in _values(b)]

@@ -68,8 +68,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-import torch
-
 from anydevice.errors import ArgumentError
 from anydevice.feeding.copies import Copier, copier_for
 from anydevice.feeding.resume import (
