@@ -14,8 +14,9 @@ import pytest
 import anydevice
 
 DOCUMENTED = {
-    "AnydeviceError", "DeviceInfo", "DeviceLike", "DeviceNotFoundError", "DeviceSpecError",
-    "HostInfo", "Inventory", "ProcessInfo", "VisibilityError", "__version__", "describe",
+    "AnydeviceError", "ArgumentError", "DeviceInfo", "DeviceLike", "DeviceNotFoundError",
+    "DeviceSpecError", "HostInfo", "Inventory", "ProcessInfo", "VisibilityError", "__version__",
+    "describe",
     "device", "devices", "inventory", "restrict_visible", "try_all_gpus", "try_gpu",
     "to", "device_of", "devices_of", "check_devices", "diagnose", "save", "load",
     "DeviceMismatchError", "MoveError", "NoTensorError", "CheckpointError",

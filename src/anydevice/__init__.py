@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     )
     from anydevice.errors import (
         AnydeviceError as AnydeviceError,
+        ArgumentError as ArgumentError,
         BatchSizeError as BatchSizeError,
         CheckpointError as CheckpointError,
         DeviceMismatchError as DeviceMismatchError,
@@ -175,6 +176,7 @@ _SOURCES: dict[str, str] = {
     "share": "anydevice.distributed",
     "unwrap": "anydevice.distributed",
     "AnydeviceError": "anydevice.errors",
+    "ArgumentError": "anydevice.errors",
     "BatchSizeError": "anydevice.errors",
     "CheckpointError": "anydevice.errors",
     "DeviceMismatchError": "anydevice.errors",

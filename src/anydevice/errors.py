@@ -10,6 +10,7 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── VisibilityError (RuntimeError)      CUDA_VISIBLE_DEVICES can no longer change
     ├── DeviceMismatchError (RuntimeError)  tensors that must share a device do not
     ├── NoTensorError (ValueError)          device_of() was given an object with no tensor
+    ├── ArgumentError (ValueError, TypeError)  an argument of the wrong type or value
     ├── MoveError (RuntimeError)            to() could not move a part of an object
     ├── CheckpointError (RuntimeError)      save() or load() failed; the file is named
     ├── PrecisionError (ValueError)         a precision mode unknown, or one the device cannot run
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AnydeviceError",
+    "ArgumentError",
     "BatchSizeError",
     "CheckpointError",
     "DeviceMismatchError",
@@ -109,6 +111,13 @@ class DeviceMismatchError(AnydeviceError, RuntimeError):
 
 class NoTensorError(AnydeviceError, ValueError):
     """An object holds no tensor, so it has no device (``device_of(["a", 1])``)."""
+
+
+class ArgumentError(AnydeviceError, ValueError, TypeError):
+    """An argument anydevice cannot use: of the wrong type, out of range, or not what an
+    earlier call returned (``accumulate(world_size=0)``, a corrupt loader state). The
+    message names the argument, its value and what to pass. Both a ``ValueError`` and a
+    ``TypeError``, so code that caught either keeps working."""
 
 
 class MoveError(AnydeviceError, RuntimeError):

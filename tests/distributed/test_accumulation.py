@@ -223,7 +223,7 @@ def test_a_step_left_unfinished_is_an_error_not_a_silent_skip():
 )
 def test_bad_arguments_name_the_value_and_what_to_do(kwargs, message):
     loader = DataLoader(range(64), batch_size=8)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ad.ArgumentError, match=message):
         accumulate(nn.Linear(2, 1), loader, **kwargs)
 
 
@@ -376,3 +376,58 @@ def test_a_plain_model_in_a_world_of_one_trains_without_a_warning():
         with ad.distributed() as d:
             steps = d.accumulate(net(), [0, 1, 2], micro_batches=2)
             assert not steps.syncs
+
+
+def _uneven_rank(init_method: str) -> dict:
+    out = {}
+    with ad.distributed(init_method=init_method, timeout=30) as d:
+        model = ad.prepare(net())
+        sized = DataLoader(range(16), batch_size=2)
+        try:
+            accumulate(model, sized, global_batch=8, world_size=1)
+        except ad.ArgumentError as e:
+            out["world_size"] = str(e)
+        batches = [torch.ones(B, FEATURES)] * (6 if d.rank == 0 else 4)  # each its own list
+        try:
+            for step in d.accumulate(model, batches, micro_batches=2):
+                for x in step:
+                    step.scale(model(x).sum()).backward()
+        except ad.DistributedError as e:
+            out["uneven"] = str(e)
+        del model
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ranks_whose_loaders_differ_in_length_are_told_so_on_every_rank_before_a_step(tmp_path):
+    results = run_ranks(_uneven_rank, 2, tmp_path, timeout=120)
+    for out in results:
+        assert "different numbers of batches this pass (rank 0: 6, rank 1: 4)" in out["uneven"]
+        assert "ad.prepare" in out["uneven"]
+        assert "world_size=1, but the process group has 2 ranks" in out["world_size"]
+
+
+PAIRS = DataLoader(range(8), batch_size=2)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: accumulate(None, range(4), micro_batches=2), "model=None.*nn.Module"),
+        (lambda: accumulate(nn.Linear, range(4), micro_batches=2), "model=.*nn.Module"),
+        (lambda: accumulate(net(), 5, micro_batches=2), "loader=5.*iterable of batches"),
+        (lambda: accumulate(net(), "abcd", micro_batches=2), "loader='abcd'"),
+        (lambda: accumulate(net(), {"x": 1}, micro_batches=2), "loader=.*dict"),
+        (lambda: accumulate(net(), range(4), micro_batches=2.0), "micro_batches=2.0"),
+        (lambda: accumulate(net(), range(4), micro_batches=True), "micro_batches=True"),
+        (lambda: accumulate(net(), PAIRS, global_batch=8, world_size=0), "world_size=0"),
+        (lambda: accumulate(net(), PAIRS, global_batch=8, world_size="2"), "world_size='2'"),
+        (lambda: accumulate(net(), range(4), micro_batches=2, world_size=-1), "world_size=-1"),
+        (lambda: accumulate(net(), PAIRS, global_batch=8.0), "global_batch=8.0"),
+        (lambda: micro_batch_size(8, fits=float("nan")), "fits=nan"),
+    ],
+)
+def test_every_bad_argument_is_an_argument_error_naming_it(call, message):
+    with ad.distributed(), pytest.raises(ad.ArgumentError, match=message):
+        call()

@@ -150,6 +150,26 @@ def test_killed_worker_is_reported_and_the_next_epoch_works(tmp_path):
     assert values(loader) == [float(i) for i in range(16)]
 
 
+def test_a_killed_worker_leaves_no_worker_and_no_thread_once_its_error_is_handled(tmp_path):
+    switch = tmp_path / "kill"
+    switch.touch()
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    threads = set(threading.enumerate())
+    dl = DataLoader(Squares(64, fail_at=6, switch=switch, mode="kill", delay=0.01),
+                    batch_size=2, num_workers=2)  # fmt: skip
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for _ in DeviceLoader(dl, "cpu", prefetch=True):
+            pass
+    # at once, not at some later status check: the sibling worker and the prefetch thread
+    alive = [p.pid for p in me.children(recursive=True) if p.pid not in before
+             and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert alive == []
+    assert prefetch_threads() == []
+    # the worker queues' feeder threads were told to end by then; they only finish flushing
+    assert wait_until(lambda: set(threading.enumerate()) <= threads, 5), threading.enumerate()
+
+
 ABORTED_PASSES = """
 import sys, threading, time
 from pathlib import Path

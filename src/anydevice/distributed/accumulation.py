@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any, Generic, TypeVar, cast
 
 import torch
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from anydevice.errors import StepOrderError
+from anydevice.errors import ArgumentError, DistributedError, StepOrderError
 
 __all__ = ["Accumulation", "AccumulationStep", "accumulate", "micro_batch_size"]
 
@@ -143,6 +143,8 @@ class Accumulation(Generic[T]):
     def __iter__(self) -> Iterator[AccumulationStep[T]]:
         source: Iterable[Any] = self.source if self.source is not None else ()
         self._total = len(source) if isinstance(self.source, Sized) else None
+        if self._switches and self.source is not None:
+            _agree_on_batches(self._total)
         self._it = iter(source)
         self._ahead, self._ended = [], False
         previous: AccumulationStep[T] | None = None
@@ -295,23 +297,27 @@ def accumulate(
         An :class:`Accumulation`: iterate it once per epoch.
 
     Raises:
-        ValueError: neither or both of ``micro_batches`` and ``global_batch``; a value
-            below 1; a ``global_batch`` that the loader's batch size and the world size
-            do not divide.
+        ArgumentError: ``model`` is not a module, ``loader`` not an iterable of batches;
+            neither or both of ``micro_batches`` and ``global_batch``; a count that is not
+            a whole number >= 1; a ``world_size`` other than the process group's; a
+            ``global_batch`` that the loader's batch size and the world size do not divide.
+        DistributedError: raised when the steps are iterated, on every rank, where the
+            ranks' loaders have different numbers of batches (see the module docstring).
     """
+    _check_model(model)
+    _check_loader(loader)
     if (micro_batches is None) == (global_batch is None):
-        raise ValueError(
+        raise ArgumentError(
             f"accumulate() takes micro_batches= or global_batch=, exactly one (got "
             f"micro_batches={micro_batches!r}, global_batch={global_batch!r})."
         )
+    world = _world(None if world_size is None else _whole("world_size", world_size))
     if micro_batches is None:
         assert global_batch is not None
-        micro_batches = _from_global(loader, global_batch, _world(world_size))
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(
-            f"micro_batches={micro_batches!r}: pass the number of micro-batches per "
-            "optimizer step, a whole number >= 1."
-        )
+        micro_batches = _from_global(loader, _whole("global_batch", global_batch), world)
+    micro_batches = _whole(
+        "micro_batches", micro_batches, "the number of micro-batches per optimizer step, "
+    )
     return Accumulation(model, loader, micro_batches)
 
 
@@ -328,13 +334,13 @@ def micro_batch_size(global_batch: int, fits: int, world_size: int = 1) -> int:
     96
 
     Raises:
-        ValueError: ``world_size`` does not divide ``global_batch``, or a value below 1.
+        ArgumentError: ``world_size`` does not divide ``global_batch``, or a value that is
+            not a whole number >= 1.
     """
     for name, value in (("global_batch", global_batch), ("fits", fits), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: pass a whole number >= 1.")
+        _whole(name, value)
     if global_batch % world_size:
-        raise ValueError(
+        raise ArgumentError(
             f"global_batch={global_batch} cannot be split evenly over world_size={world_size} "
             f"ranks. Use a multiple of {world_size}, e.g. "
             f"{global_batch // world_size * world_size or world_size}."
@@ -346,25 +352,80 @@ def micro_batch_size(global_batch: int, fits: int, world_size: int = 1) -> int:
 # ----------------------------------------------------------------------------- internals
 
 
+def _whole(name: str, value: object, what: str = "") -> int:
+    """``value`` where it is a whole number >= 1 (not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ArgumentError(f"{name}={value!r}: pass {what}a whole number >= 1.")
+    return value
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(
+            f"accumulate(model={model!r:.80}): pass the model the steps train, an nn.Module "
+            "(the one ad.prepare returned: its gradient sync is what accumulation switches), "
+            f"not a {type(model).__name__}."
+        )
+
+
+def _check_loader(loader: object) -> None:
+    bad = (
+        isinstance(loader, str | bytes | Mapping)
+        or (isinstance(loader, torch.Tensor) and loader.dim() == 0)
+        or (loader is not None and not isinstance(loader, Iterable))
+    )
+    if bad:
+        raise ArgumentError(
+            f"accumulate(loader={loader!r:.80}): pass the micro-batches, an iterable of "
+            f"batches (a DeviceLoader, a DataLoader, a list), or None for endless steps; a "
+            f"{type(loader).__name__} is not one."
+        )
+
+
 def _world(world_size: int | None) -> int:
-    if world_size is not None:
-        return world_size
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if world_size is None:
+        return 1 if group is None else group
+    if group is not None and world_size != group:
+        raise ArgumentError(
+            f"world_size={world_size}, but the process group has {group} ranks: global_batch "
+            "would be split as if there were another number of them. Leave world_size out "
+            "(d.accumulate passes the right one)."
+        )
+    return world_size
+
+
+def _agree_on_batches(total: int | None) -> None:
+    """Make sure every rank runs as many micro-batches this pass, before the first: a rank
+    that finishes first leaves the others waiting in a gradient reduction it never joins
+    (a hang until the timeout, or a "crash" blamed on the peer that left)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from anydevice.distributed.collectives import all_gather
+
+    counts = all_gather(total)
+    if len(set(counts)) == 1:
+        return
+    each = ", ".join(f"rank {r}: {'no len()' if c is None else c}" for r, c in enumerate(counts))
+    raise DistributedError(
+        f"accumulate(): the ranks' loaders have different numbers of batches this pass "
+        f"({each}). With a gradient reduction in every step, the ranks must run the same "
+        "steps: one that finishes first leaves the others waiting for it. Shard the data "
+        "with ad.prepare (its DistributedSampler gives every rank as many batches), or cut "
+        "every rank's data to the same number of batches (DataLoader(drop_last=True) over "
+        "equal shards)."
+    )
 
 
 def _from_global(loader: object, global_batch: int, world_size: int) -> int:
     size = getattr(loader, "batch_size", None)
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ArgumentError(
             f"global_batch={global_batch} needs the loader's batch size, but "
             f"{type(loader).__name__} has none (batch_size={size!r}). Pass micro_batches= "
             "instead."
         )
     per_step = size * world_size
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global_batch={global_batch!r}: pass a whole number >= 1.")
     if global_batch % per_step:
         fit = (
             micro_batch_size(global_batch, size, world_size)
@@ -372,7 +433,7 @@ def _from_global(loader: object, global_batch: int, world_size: int) -> int:
             else None
         )
         hint = f"a loader batch size of {fit}" if fit else f"a multiple of {per_step}"
-        raise ValueError(
+        raise ArgumentError(
             f"global_batch={global_batch} is not a whole number of micro-batches: "
             f"{world_size} rank(s) x batch size {size} = {per_step} samples per micro-batch. "
             f"Use {hint} (micro_batch_size(global_batch, fits, world_size) picks one)."

@@ -8,7 +8,8 @@ Modules:
 * :mod:`~anydevice.feeding.copies`: the copy stream and events one loader pass uses.
 * :mod:`~anydevice.feeding.streams`: ``ad.side_stream``, side streams ordered with the
   current stream in both directions.
-* :mod:`~anydevice.feeding.resume`: a loader's position in its epoch, saved and restored.
+* :mod:`~anydevice.feeding.resume`: a loader's position in its epoch and what its order
+  is drawn from, saved, checked and restored.
 * :mod:`~anydevice.feeding.startmethod`: what spawned workers cannot import, said before
   they start.
 """

@@ -63,14 +63,20 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
-import torch
-
+from anydevice.errors import ArgumentError
 from anydevice.feeding.copies import Copier, copier_for
-from anydevice.feeding.resume import sampler_generator, skip_at_sampler
+from anydevice.feeding.resume import (
+    PassOrder,
+    check_state,
+    order_between_passes,
+    shape_of,
+    warn_if_unrepeatable,
+)
 from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
 from anydevice.hardware.backends import runtime
@@ -264,7 +270,6 @@ class DeviceLoader(Generic[T]):
         self._marks = False  #: the sampler keeps the _LoaderEpoch it is given
         self._active: _Pass | None = None
         self._resume: dict[str, Any] | None = None  #: load_state_dict's, for the next pass
-        self._generator_state: torch.Tensor | None = None  #: the sampler's, as the pass began
 
     # ------------------------------------------------------------------ source-like API
 
@@ -283,39 +288,56 @@ class DeviceLoader(Generic[T]):
         return max(0, n - run.skipped) if run is not None and not run.done else n
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader is: the epoch, the batches handed out in it, whether the epoch
-        is the user's, and the state of its ``RandomSampler``'s generator when the pass
-        began. Saved by ``ad.save_state(..., loader=loader)``; :meth:`load_state_dict`
-        resumes there (see :mod:`anydevice.feeding.resume`)."""
+        """Where this loader is: the epoch of the pass under way (or of the next), the
+        batches handed out in it, whether the epoch is the user's, what the pass's order is
+        drawn from (a sampler generator's state, or the seed a generator-less
+        ``RandomSampler`` drew) and the loader's batch size, ranks and dataset size. Saved by
+        ``ad.save_state(..., loader=loader)``; :meth:`load_state_dict` resumes there (see
+        :mod:`anydevice.feeding.resume`)."""
         run = self._active
-        position = run.skipped + run.counters.batches if run is not None and not run.done else 0
+        if run is not None:  # under way, its last batch handed out included
+            epoch, position, order = run.epoch, run.skipped + run.counters.batches, run.order
+            drawn = order.drawn()
+        else:
+            epoch, position = self._epoch, 0
+            if self._epoch_is_users:  # loader.sampler.set_epoch(e) leaves self._epoch behind
+                now = self._sampler_epoch()
+                epoch = self._epoch if now is None else int(now)
+            drawn = order_between_passes(self.loader)
         return {
-            "epoch": int(self._epoch),
+            "epoch": int(epoch),
             "epoch_is_users": self._epoch_is_users,
             "position": position,
-            "generator": None if position == 0 else self._generator_state,
+            **drawn,
+            **shape_of(self.loader),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where :meth:`state_dict` was taken: the next pass runs that epoch from the
         batch after the last one handed out, in the same order (see
         :mod:`anydevice.feeding.resume` for which samplers keep it), and ``len()`` counts the
-        batches left until that pass ends.
+        batches left until that pass ends. The sampler's epoch is set now, also an epoch
+        the loader had advanced by itself, and goes on advancing after each complete pass.
 
         Raises:
-            ValueError: ``state`` is not a DeviceLoader state (the keys it lacks).
+            ArgumentError: ``state`` is not a DeviceLoader state (what is wrong with it),
+                or one this loader cannot resume exactly: saved with another sampler,
+                dataset size, or a batch size and number of ranks that do not split the
+                samples seen into whole batches here, or a position past the epoch's end.
         """
-        missing = {"epoch", "position"} - set(state)
-        if missing:
-            raise ValueError(
-                f"load_state_dict: not a DeviceLoader state, it lacks {sorted(missing)}; pass "
-                "what loader.state_dict() returned (ad.save_state(..., loader=loader) saves it)"
-            )
-        if state.get("epoch_is_users"):
-            self.set_epoch(int(state["epoch"]))
-        else:
-            self._epoch = int(state["epoch"])
-        self._resume = {"position": int(state["position"]), "generator": state.get("generator")}
+        checked = check_state(state, self.loader)
+        if checked["position"]:
+            warn_if_unrepeatable(self.loader)
+        epoch = checked["epoch"]
+        if checked["epoch_is_users"]:
+            self.set_epoch(epoch)
+        else:  # the loader's, as saved: the sampler gets it now and it advances from there
+            self._epoch_is_users = False
+            self._epoch = epoch
+            self._set_sampler_epoch(_LoaderEpoch(epoch))
+            self._epoch_left = epoch
+            self._marks = type(self._sampler_epoch()) is _LoaderEpoch
+        self._resume = checked
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` to the source's sampler (e.g. a DistributedSampler), now.
@@ -413,21 +435,23 @@ class DeviceLoader(Generic[T]):
             self._active.close()  # a new pass ends the previous one
         self._begin_epoch()
         resume, self._resume = self._resume, None
-        skip = resume["position"] if resume else 0
-        generator = sampler_generator(self.loader)
-        if generator is not None:
-            if resume and resume.get("generator") is not None:
-                generator.set_state(resume["generator"])  # the resumed pass's order
-            self._generator_state = generator.get_state()
-        undo = skip_at_sampler(self.loader, skip)  # no batch loaded for what was seen
+        now = self._sampler_epoch()
+        epoch = self._epoch if now is None else int(now)
+        if resume is not None and resume["position"] and epoch != resume["epoch"]:
+            warnings.warn(
+                f"this pass runs epoch {epoch}, but the loader state loaded was saved at "
+                f"batch {resume['position']} of epoch {resume['epoch']}: its first "
+                f"{resume['position']} batches are skipped in epoch {epoch}'s order, which "
+                f"repeats and skips samples. Set the saved epoch (loader.set_epoch("
+                f"{resume['epoch']})) before the resumed pass, or none at all.",
+                stacklevel=2,
+            )
+        order = PassOrder(self.loader, resume)  # no batch loaded for what was seen
         try:
-            run = _Pass(self, skip=skip, by_hand=undo is None)
+            run = _Pass(self, order, epoch)
         except BaseException:
-            if undo is not None:
-                undo()
+            order.close()
             raise
-        if undo is not None:
-            run.undo = undo
         self._counters = run.counters
         self._active = run
         try:
@@ -531,17 +555,17 @@ class _Producer:
 
         A DataLoader with worker processes always answers (a batch, or an error within
         seconds of a worker's death), so its producer is waited for however long the
-        machine's load makes that: it must not outlive the pass holding the workers.
+        machine's load makes that: it must not outlive the pass holding the workers. That
+        holds when a worker died too: the consumer hears of it at once, from torch's
+        SIGCHLD handler, while the producer is still inside ``next()``; it learns of it at
+        torch's next status check (within 5 s) and then ends the other workers and their
+        queues' threads, so when the error reaches the loop nothing of the pass is left.
         Another source's ``next()`` may wait for the consumer itself (a feedback loop):
         that wait is bounded by ``timeout``, after which the daemon thread ends once the
-        source answers. A DataLoader whose worker died (the consumer heard of it at once,
-        from torch's SIGCHLD handler) is not waited for: its producer learns of it at
-        torch's next status check (5 s) and then ends the other workers itself.
+        source answers.
         """
         self.stop.set()
         bounded = not _has_workers(self.source)
-        if not bounded and _a_worker_died(self.source):
-            return
         deadline = time.monotonic() + timeout
         while self.thread.is_alive():
             while True:  # unblock a producer waiting to put
@@ -575,14 +599,6 @@ def _has_workers(source: Iterator[Any]) -> bool:
     return callable(getattr(source, "_shutdown_workers", None))
 
 
-def _a_worker_died(source: Iterator[Any]) -> bool:
-    workers = getattr(source, "_workers", None) or []
-    try:
-        return any(not w.is_alive() for w in workers)
-    except (AssertionError, ValueError):  # not this process's children
-        return False
-
-
 def shut_down(source: Iterator[Any]) -> None:
     """End the worker processes of a DataLoader iterator now, unless they are persistent
     (kept for the next epoch by design); no-op for other sources. Only from the thread
@@ -597,10 +613,11 @@ def shut_down(source: Iterator[Any]) -> None:
 class _Pass:
     """One pass over the source: the producer, the issued-ahead batch, the counters."""
 
-    def __init__(self, owner: DeviceLoader[Any], skip: int = 0, by_hand: bool = False) -> None:
+    def __init__(self, owner: DeviceLoader[Any], order: PassOrder, epoch: int) -> None:
         self.owner = owner
-        self.skipped = skip  #: batches of this epoch handed out before a resume
-        self.undo: Callable[[], None] | None = None  #: puts back a sampler skip_at_sampler set
+        self.order = order  #: what the pass's order is drawn from; skips what was seen
+        self.epoch = epoch  #: the sampler's epoch as the pass began
+        self.skipped = order.position  #: batches of this epoch handed out before a resume
         self.device = owner.device
         # CUDA's streams, or torch.Stream's (XPU, ...); None: moves are synchronous. Its
         # copy stream is one per device for the whole process, never per loader or pass:
@@ -614,10 +631,9 @@ class _Pass:
         self.ready: tuple[Any, BatchEvents | None] | None = None  # (batch on device, its events)
         self.done = False
         self.error: BaseException | None = None  # raised by the source after batch k was issued
-        self.source: Iterator[Any] = iter(owner.loader)  # on the main thread (DataLoader wants it)
-        if by_hand:  # a resumed pass over a source that cannot skip at its sampler
-            for _ in itertools.islice(self.source, skip):
-                pass
+        self.source: Iterator[Any] = order.iterator()  # on the main thread (DataLoader wants it)
+        if order.by_hand:  # a resumed pass over a source that cannot skip at its sampler
+            self._skip_by_hand(order.by_hand)
         self.producer: _Producer | None = None
         if owner.prefetch:
             self.producer = _Producer(self.source, self.copier, owner.depth)
@@ -626,6 +642,21 @@ class _Pass:
         # overlaps step k. Any other iterator may make it only after the step (a feedback
         # loop): batch k+1 is then issued only if it is already there.
         self.lookahead_waits = self.producer is not None and _has_length(owner.loader)
+
+    def _skip_by_hand(self, n: int) -> None:
+        try:
+            read = sum(1 for _ in itertools.islice(self.source, n))
+        except BaseException:
+            shut_down(self.source)
+            raise
+        if read < n:
+            shut_down(self.source)
+            raise ArgumentError(
+                f"the loader state loaded resumes at batch {n} of epoch {self.epoch}, but "
+                f"this {type(self.owner.loader).__name__} ended after {read} batches: "
+                "resuming would skip every sample. Resume with the source as saved, or "
+                "start the epoch over (load the state with position 0)."
+            )
 
     # -- fetching on the host
 
@@ -753,16 +784,16 @@ class _Pass:
         return batch
 
     def close(self) -> None:
-        if self.undo is not None:
-            self.undo()
-            self.undo = None
-        if self.producer is not None:
-            self.producer.close()
-            if not self.producer.thread.is_alive():
-                shut_down(self.source)  # done by the producer; again costs nothing
-            self.producer = None
-        else:
-            shut_down(self.source)  # this thread iterated it
-        self.source = iter(())  # release the source iterator (a DataLoader's stops its workers)
-        self.ready = None
-        self.done = True
+        try:
+            if self.producer is not None:
+                self.producer.close()
+                if not self.producer.thread.is_alive():
+                    shut_down(self.source)  # done by the producer; again costs nothing
+                self.producer = None
+            else:
+                shut_down(self.source)  # this thread iterated it
+            self.source = iter(())  # release the source iterator (a DataLoader's: its workers)
+            self.ready = None
+            self.done = True
+        finally:
+            self.order.close()  # once nothing reads the sampler any more
