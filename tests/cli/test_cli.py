@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,74 @@ def test_doctor_plot_that_cannot_be_written_is_refused_before_measuring(
     out = capsys.readouterr()
     assert words in out.err, out.err
     assert out.out == "" and time.perf_counter() - start < 10  # the 30 s plan never ran
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
+
+
+def _read_until(fd: int, done: Callable[[str], bool], seconds: float) -> str:
+    """What a terminal shows, read from its pty until ``done(text)``, EOF or ``seconds``."""
+    import select
+
+    text, deadline = "", time.monotonic() + seconds
+    while not done(ANSI.sub("", text)) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            text += chunk.decode(errors="replace")
+    return ANSI.sub("", text)
+
+
+def test_ctrl_c_during_the_doctor_reports_what_was_measured_in_one_line_and_exits_130():
+    """In a real terminal (a pty): SIGINT once the progress bar shows a step done. The
+    report holds that step's number; one line says it was interrupted; no traceback."""
+    import pty
+
+    main_fd, sub_fd = pty.openpty()
+    env = {**os.environ, "COLUMNS": "160", "TERM": "xterm"}
+    env.pop("ANYDEVICE_DEVICE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anydevice", "doctor", "--device", "cpu"],
+        stdin=subprocess.DEVNULL, stdout=sub_fd, stderr=sub_fd, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(sub_fd)
+    try:
+        step_done = re.compile(r"measuring\b.*?\b[1-9]\d*/\d+", re.S)
+        before = _read_until(main_fd, lambda t: bool(step_done.search(t)), 240)
+        assert step_done.search(before), before
+        assert proc.poll() is None, before  # still measuring: the 30 s plan
+        proc.send_signal(signal.SIGINT)
+        after = _read_until(main_fd, lambda t: False, 120)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(main_fd)
+    assert code == 130, after
+    assert "Traceback" not in after and "KeyboardInterrupt" not in after, after
+    said = [line for line in after.splitlines() if line.startswith("anydevice doctor:")]
+    assert len(said) == 1 and "interrupted (Ctrl-C)" in said[0], after
+    assert "matmul fp32" in after  # the first step, measured before the signal
+    assert "steps measured, the rest not" in after  # the report's note
+
+
+def test_ctrl_c_before_measuring_says_so_in_one_line(monkeypatch, capsys):
+    import anydevice.doctor
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(anydevice.doctor, "examine", interrupted)
+    assert cli.main(["doctor", "--no-measure"]) == 130
+    out = capsys.readouterr()
+    assert out.err == "anydevice doctor: interrupted (Ctrl-C) before anything was measured.\n"
+    assert out.out == ""
 
 
 def test_doctor_plot_without_matplotlib_is_refused_before_measuring(tmp_path, monkeypatch, capsys):

@@ -261,20 +261,29 @@ def _doctor(args: argparse.Namespace) -> int:
             check_target(args.plot)  # before the measuring, not after it
         except (ImportError, ValueError) as e:
             return refuse(e)
-    inv = inventory()
-    if args.device:
-        try:
-            resolve_devices(inv, args.device)  # with --no-measure too: bad input is bad
-        except AnydeviceError as e:
-            return refuse(e)
     err = Console(stderr=True)
-    if args.plan == "none":
-        report = examine(inv)
-    else:
-        from anydevice.doctor.render import measuring
+    interrupted = False
+    try:
+        inv = inventory()
+        if args.device:
+            try:
+                resolve_devices(inv, args.device)  # with --no-measure too: bad input is bad
+            except AnydeviceError as e:
+                return refuse(e)
+        if args.plan == "none":
+            report = examine(inv)
+        else:
+            from anydevice.doctor.render import measuring
 
-        with measuring(err) as progress:
-            report = examine(inv, measure=args.plan, devices=args.device, progress=progress)
+            with measuring(err) as progress:
+                report = examine(inv, measure=args.plan, devices=args.device, progress=progress)
+    except KeyboardInterrupt as e:  # Ctrl-C: what was measured so far, then one line
+        so_far = getattr(e, "report", None)
+        if so_far is None:
+            print("anydevice doctor: interrupted (Ctrl-C) before anything was measured.",
+                  file=sys.stderr)  # fmt: skip
+            return 130
+        report, interrupted = so_far, True
     if args.plot and report.measurements is not None:
         from anydevice.doctor.plot import plot
 
@@ -287,6 +296,12 @@ def _doctor(args: argparse.Namespace) -> int:
         render_report(report, Console())
     if args.plot:
         err.print(f"wrote {args.plot}", highlight=False, soft_wrap=True)  # a path, unbroken
+    if interrupted:
+        m = report.measurements
+        done = f"{len(m.results)} number(s) and {len(m.levers)} lever(s)" if m else "the checks"
+        print(f"anydevice doctor: interrupted (Ctrl-C); the report holds what was measured "
+              f"before it: {done}.", file=sys.stderr)  # fmt: skip
+        return 130
     return report.exit_code
 
 

@@ -29,7 +29,7 @@ import torch
 from anydevice.doctor.budget import Budget, Deadline, sized
 from anydevice.doctor.levers import lever_steps
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
-from anydevice.doctor.results import DeviceSummary, Measured, Measurements
+from anydevice.doctor.results import DeviceSummary, Interrupted, Measured, Measurements
 from anydevice.doctor.workloads import (
     PLANS,
     Plan,
@@ -128,8 +128,34 @@ def run_plan(
     # parallel region: every number would measure that. The run uses the free cores (the
     # "threads" lever measures what the default costs) and says so.
     measuring_threads = before.free if before.advice else run.threads
-    with threads_set(measuring_threads):
-        _run_steps(steps, budget, run, cpu, progress)
+    done = [0]
+    try:
+        with threads_set(measuring_threads):
+            _run_steps(steps, budget, run, cpu, progress, done)
+    except KeyboardInterrupt:
+        # Ctrl-C: what was measured so far is the report, and the interrupt goes on
+        at = f" during {steps[done[0]][0]}" if done[0] < len(steps) else ""
+        run.notes.append(
+            f"interrupted (Ctrl-C){at}: {done[0]} of {len(steps)} steps measured, the rest not"
+        )
+        raise Interrupted(_measurements(inv, chosen, plan, run, budget, cpu, start,
+                                        measuring_threads, before, True)) from None  # fmt: skip
+    return _measurements(inv, chosen, plan, run, budget, cpu, start, measuring_threads, before)
+
+
+def _measurements(
+    inv: Inventory,
+    chosen: Sequence[DeviceInfo],
+    plan: Plan,
+    run: Run,
+    budget: Budget,
+    cpu: CpuClock,
+    start: tuple[float, float, float],
+    measuring_threads: int,
+    before: Load,
+    interrupted: bool = False,
+) -> Measurements:
+    usable = before.usable
     load = Load(usable, round(cpu.others_since(start), 2), run.threads, loadavg(),
                 measuring_threads, before.free)  # fmt: skip
     summaries = _summaries(chosen, run)
@@ -145,6 +171,7 @@ def run_plan(
         step=f"MLP training step: 4 layers of {width}, batch {batch}, SGD",
         budget=plan.budget,
         load=load,
+        interrupted=interrupted,
     )
 
 
@@ -154,11 +181,15 @@ def _run_steps(
     run: Run,
     cpu: CpuClock,
     progress: Progress | None,
+    finished: list[int] | None = None,
 ) -> None:
-    """Each step in its share of the time left; failures become notes."""
+    """Each step in its share of the time left; failures become notes. ``finished[0]``
+    counts the steps done (what an interrupt leaves measured)."""
     plan = run.plan
     weights = sum(w for _, w, _ in steps) / (1 - _RESERVE)
     for done, (title, weight, fn) in enumerate(steps):
+        if finished is not None:
+            finished[0] = done
         if progress is not None:
             progress(done, len(steps), title, budget.left())
         slot = budget.slot(weight / weights)
@@ -175,6 +206,8 @@ def _run_steps(
             _release()
         if time.perf_counter() - mark[0] >= 0.2 and cpu.others_since(mark) >= BUSY_CORES:
             _mark_noisy(run, before)
+    if finished is not None:
+        finished[0] = len(steps)
     if progress is not None:
         progress(len(steps), len(steps), "done", budget.left())
 

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from anydevice.doctor.load import Load
 
-__all__ = ["DeviceSummary", "Lever", "Measured", "Measurements", "Verdict", "find"]
+__all__ = [
+    "DeviceSummary",
+    "Interrupted",
+    "Lever",
+    "Measured",
+    "Measurements",
+    "Verdict",
+    "find",
+]
 
 Verdict = Literal["use", "no-gain", "slower", "n/a"]
 USE = 1.10  #: a lever that saves at least 10 % is worth turning on
@@ -177,6 +185,7 @@ class Measurements:
     step: str = ""  #: the training step every device ran
     budget: float = 0.0  #: seconds the plan allowed
     load: Load | None = field(default=None)  #: other processes' use of the cores meanwhile
+    interrupted: bool = False  #: stopped by Ctrl-C: what was measured before it
 
     def result(self, device: str, name: str) -> Measured | None:
         return find(self.results, device, name)
@@ -204,7 +213,18 @@ class Measurements:
             "devices": [d.to_dict() for d in self.devices],
             "advice": list(self.advice),
             "notes": list(self.notes),
+            "interrupted": self.interrupted,
         }
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while the doctor measured: still a ``KeyboardInterrupt``, carrying what was
+    measured before it (``measurements``) and, once the checks are added, the ``report``."""
+
+    def __init__(self, measurements: Measurements | None, report: Any = None) -> None:
+        super().__init__()
+        self.measurements = measurements
+        self.report = report  #: the doctor's Report of what was done, where known
 
 
 def _threads_verdict(levers: Sequence[Lever]) -> Lever | None:
