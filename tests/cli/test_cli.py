@@ -382,6 +382,55 @@ def test_no_command_prints_help_and_exits_2(capsys):
     assert "COMMAND" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["doctor", "--fast"], "--fast (did you mean --quick?)"),
+        (["doctor", "--jsn"], "--jsn (did you mean --json?)"),
+        (["doctor", "--devices", "cpu"], "--devices (did you mean --device?)"),
+        (["info", "--jsno"], "--jsno (did you mean --json?)"),
+        (["top", "--intervl", "2"], "--intervl (did you mean --interval?) 2"),
+        (["select", "--max-utl", "5"], "--max-utl (did you mean --max-util?) 5"),
+        (["launch", "--nporcs", "2", "x.py"], "--nporcs (did you mean --nprocs?)"),
+        (["launch", "--gpus", "2", "x.py"], "--gpus (did you mean --nprocs?)"),
+    ],
+)
+def test_an_unknown_flag_gets_the_nearest_one_of_its_command(argv, meant, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"anydevice {argv[0]}: error: unrecognized arguments: {meant}" in err, err
+    assert err.startswith(f"usage: anydevice {argv[0]}")  # the command's usage, not the top's
+
+
+def test_a_flag_like_nothing_we_have_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--banana"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --banana")
+
+
+def test_a_notebook_cell_ending_in_main_shows_no_stray_exit_code(capsys):
+    """A real IPython shell runs the cell as a notebook does; its display formatter is what
+    a notebook shows of the cell's value: nothing for 0 (it showed ``0`` under the report),
+    one line for a failure. The value is still the int that ``sys.exit`` takes."""
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        ok = shell.run_cell("from anydevice.cli import main\nmain(['info', '--json'])")
+        assert ok.success and ok.result == 0 and isinstance(ok.result, int)
+        assert shell.display_formatter.format(ok.result)[0] == {}  # nothing to show
+        capsys.readouterr()
+        bad = shell.run_cell("main(['doctor', '--no-measure', '--device', 'cuda:7'])")
+        assert bad.result == 2
+        assert shell.display_formatter.format(bad.result)[0] == {}
+        assert capsys.readouterr().out.splitlines()[-1] == "exit status 2"
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_unknown_command_is_an_argparse_error():
     with pytest.raises(SystemExit) as info:
         cli.main(["teleport"])
