@@ -29,7 +29,13 @@ import torch
 from anydevice.doctor.budget import Budget, Deadline, sized
 from anydevice.doctor.levers import lever_steps
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
-from anydevice.doctor.results import DeviceSummary, Interrupted, Measured, Measurements
+from anydevice.doctor.results import (
+    QUIET,
+    DeviceSummary,
+    Interrupted,
+    Measured,
+    Measurements,
+)
 from anydevice.doctor.workloads import (
     PLANS,
     Plan,
@@ -468,7 +474,11 @@ def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load)
                     "The numbers taken meanwhile are marked busy")  # fmt: skip
         head = (f"Other processes kept {load.others:.1f} of {load.usable} cores busy while "
                 f"measuring. {measured}.")  # fmt: skip
-        if threads is not None and threads.verdict != "use":
+        if threads is not None and threads.verdict == "noisy":
+            # the lever's pairs spread too widely to say either way
+            out.append(f"{head} Fewer torch threads than its {load.torch_threads}: "
+                       f"{threads.advice}")  # fmt: skip
+        elif threads is not None and threads.verdict != "use":
             # the lever measured what fewer threads buy: advice follows its verdict
             out.append(
                 f"{head} Fewer torch threads than its {load.torch_threads}: "
@@ -538,13 +548,24 @@ def _emulated(inv: Inventory, run: Run) -> list[str]:
                 continue
             native = d.bf16 if dtype == "bf16" else None
             ratio = fp32.value / low.value
+            numbers = f"{low.value:.3g} against {fp32.value:.3g} GFLOP/s"
+            if fp32.noisy or low.noisy:  # one noisy reading each: no factor to quote
+                if native is False:  # the CPU's flags say so, whatever the timings
+                    out.append(
+                        f"{dtype} is emulated on {d.spec} (no native {dtype} units): keep "
+                        f"fp32 there; ad.precision({d.spec!r}) does. How much slower is "
+                        f"noisy here ({numbers}): {QUIET}."
+                    )
+                else:
+                    out.append(
+                        f"{dtype} matmuls measured slower than fp32 on {d.spec} ({numbers}), "
+                        f"but the readings are noisy: {QUIET}."
+                    )
+                continue
             head = (f"{dtype} is emulated on {d.spec}: {ratio:.0f}x slower than fp32 here"
                     if native is False else
                     f"{dtype} is {ratio:.0f}x slower than fp32 on {d.spec}")  # fmt: skip
-            out.append(
-                f"{head} ({low.value:.3g} against {fp32.value:.3g} GFLOP/s): keep fp32 there; "
-                f"ad.precision({d.spec!r}) does."
-            )
+            out.append(f"{head} ({numbers}): keep fp32 there; ad.precision({d.spec!r}) does.")
     return out
 
 
