@@ -209,6 +209,7 @@ def test_doctor_json_exit_code_matches_verdict():
     assert data["measurements"] is None
 
 
+@pytest.mark.timeout(360)
 def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     picture = tmp_path / "doctor.png"
     out = run("doctor", "--quick", "--json", "--plot", str(picture), timeout=300)
@@ -216,11 +217,17 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     data = json.loads(out.stdout)
     m = data["measurements"]
     assert m["plan"] == "quick" and m["budget"] == 10.0
-    assert 0 < m["seconds"] < 10.0 + 3.0  # one call predicted from the size below may run over
+    # One call predicted from the size below may run over, by more on a loaded machine: a
+    # bound only an ignored budget would break, not a speed.
+    assert 0 < m["seconds"] < 10.0 + 30.0
     cpu = {r["name"]: r for r in m["results"] if r["device"] == "cpu"}
     assert cpu["matmul-fp32"]["unit"] == "GFLOP/s" and cpu["matmul-fp32"]["value"] > 0
     assert cpu["memory-copy"]["unit"] == "GB/s" and cpu["memory-copy"]["value"] > 0
-    assert {lv["name"] for lv in m["levers"]} >= {"autocast", "channels-last"}
+    levers = {lv["name"] for lv in m["levers"]}
+    for name, step in (("autocast", "training step"), ("channels-last", "channels_last")):
+        # measured, or (where other jobs slowed the steps before it) said not to be
+        spent = f"cpu: {step}: not measured (the 10 s budget was spent)"
+        assert name in levers or spent in m["notes"], (name, m["notes"])
     assert all("spread" in lv and "noisy" in lv for lv in m["levers"])
     assert [d["device"] for d in m["devices"]][-1] == "cpu"
     assert m["advice"] and m["load"]["usable"] >= 1
@@ -230,6 +237,7 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     assert f"wrote {picture}" in out.stderr
 
 
+@pytest.mark.timeout(360)
 def test_doctor_table_prints_a_verdict_line_and_the_measurements():
     out = run("doctor", "--quick", "--device", "CPU", timeout=300)
     assert "check" in out.stdout
@@ -248,14 +256,30 @@ def _device_error(spec: str) -> str:
     return str(info.value)
 
 
+@pytest.fixture
+def doctor_work(monkeypatch):
+    """The calls the doctor made to check and measure (none, for a refusal), each recorded
+    and then let through."""
+    import anydevice.doctor
+
+    calls: list[str] = []
+    examine = anydevice.doctor.examine
+
+    def recorded(*args, **kwargs):
+        calls.append("examine")
+        return examine(*args, **kwargs)
+
+    monkeypatch.setattr(anydevice.doctor, "examine", recorded)
+    return calls
+
+
 @pytest.mark.parametrize("spec", ["cuda:7", "banana", "gpu:-1", "cpu:1"])
 @pytest.mark.parametrize("plan", ["--no-measure", "--quick"])
-def test_doctor_refuses_a_device_as_ad_device_does_before_any_work(spec, plan, capsys):
-    start = time.perf_counter()
+def test_doctor_refuses_a_device_as_ad_device_does_before_any_work(spec, plan, capsys, doctor_work):
     assert cli.main(["doctor", plan, "--device", spec]) == 2
     out = capsys.readouterr()
     assert out.err.strip() == f"anydevice doctor: {_device_error(spec)}"
-    assert out.out == "" and time.perf_counter() - start < 10  # nothing checked or measured
+    assert out.out == "" and doctor_work == []  # nothing checked or measured
 
 
 def test_doctor_takes_ad_devices_grammar_case_insensitive(capsys):
@@ -291,13 +315,12 @@ def test_doctor_plot_without_measurements_is_refused(tmp_path, capsys):
     ],
 )
 def test_doctor_plot_that_cannot_be_written_is_refused_before_measuring(
-    tmp_path, target, words, capsys
+    tmp_path, target, words, capsys, doctor_work
 ):
-    start = time.perf_counter()
     assert cli.main(["doctor", "--plot", str(tmp_path / target)]) == 2
     out = capsys.readouterr()
     assert words in out.err, out.err
-    assert out.out == "" and time.perf_counter() - start < 10  # the 30 s plan never ran
+    assert out.out == "" and doctor_work == []  # the 30 s plan never ran
 
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
@@ -321,16 +344,19 @@ def _read_until(fd: int, done: Callable[[str], bool], seconds: float) -> str:
     return ANSI.sub("", text)
 
 
+@pytest.mark.timeout(600)
 def test_ctrl_c_during_the_doctor_reports_what_was_measured_in_one_line_and_exits_130():
     """In a real terminal (a pty): SIGINT once the progress bar shows a step done. The
-    report holds that step's number; one line says it was interrupted; no traceback."""
+    report holds that step's number; one line says it was interrupted; no traceback. The
+    full plan (3 minutes of measuring) is still measuring when the signal comes, however
+    far behind the bar this test reads on a busy machine."""
     import pty
 
     main_fd, sub_fd = pty.openpty()
     env = {**os.environ, "COLUMNS": "160", "TERM": "xterm"}
     env.pop("ANYDEVICE_DEVICE", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "anydevice", "doctor", "--device", "cpu"],
+        [sys.executable, "-m", "anydevice", "doctor", "--full", "--device", "cpu"],
         stdin=subprocess.DEVNULL, stdout=sub_fd, stderr=sub_fd, env=env, start_new_session=True,
     )  # fmt: skip
     os.close(sub_fd)
@@ -338,7 +364,7 @@ def test_ctrl_c_during_the_doctor_reports_what_was_measured_in_one_line_and_exit
         step_done = re.compile(r"measuring\b.*?\b[1-9]\d*/\d+", re.S)
         before = _read_until(main_fd, lambda t: bool(step_done.search(t)), 240)
         assert step_done.search(before), before
-        assert proc.poll() is None, before  # still measuring: the 30 s plan
+        assert proc.poll() is None, before  # still measuring
         proc.send_signal(signal.SIGINT)
         after = _read_until(main_fd, lambda t: False, 120)
         code = proc.wait(timeout=60)
@@ -368,13 +394,14 @@ def test_ctrl_c_before_measuring_says_so_in_one_line(monkeypatch, capsys):
     assert out.out == ""
 
 
-def test_doctor_plot_without_matplotlib_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+def test_doctor_plot_without_matplotlib_is_refused_before_measuring(
+    tmp_path, monkeypatch, capsys, doctor_work
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    start = time.perf_counter()
     assert cli.main(["doctor", "--plot", str(tmp_path / "d.png")]) == 2
     out = capsys.readouterr()
     assert "--plot needs matplotlib" in out.err and "anydevice[plot]" in out.err
-    assert out.out == "" and time.perf_counter() - start < 10
+    assert out.out == "" and doctor_work == []
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
@@ -634,14 +661,11 @@ def test_two_nodes_on_this_machine_finish_together(no_process_left_behind):
                  "--node-rank", str(node), DDP_EXAMPLE, "--epochs", "1"], env=CPU)
         for node in (0, 1)
     ]  # fmt: skip
-    t = time.perf_counter()
-    results = [finish(p, timeout=120) for p in procs]
-    ended = time.perf_counter() - t
+    results = [finish(p, timeout=120) for p in procs]  # each bounded, and killed past it
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     outputs = "".join(out for _, out, _ in results)
     assert "2 process(es), gloo, on cpu" in outputs  # one world of two, across the nodes
     assert outputs.count("test accuracy") == 1
-    assert ended < 120
 
 
 @pytest.mark.slow

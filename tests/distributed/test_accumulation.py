@@ -354,6 +354,7 @@ def _fsdp_rank(init_method: str) -> dict:
     return _train_on_rank(init_method, "fsdp")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("rank_fn", "wrapper"), [(_ddp_rank, "DistributedDataParallel"), (_fsdp_rank, "FSDPSequential")]
