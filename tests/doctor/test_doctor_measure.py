@@ -146,7 +146,7 @@ def test_a_deliberately_slow_lever_is_cut_to_its_slot():
     start = time.perf_counter()
     timed = sized(make, [1, 10, 100, 1000, 4000], Budget(10).slot(0.4), sample=0.5)
     wall = time.perf_counter() - start
-    assert wall < 4.0 + 0.5, wall
+    assert wall < 4.0 + 1.5, wall  # a slot ignored would run a 4 s call on top
     assert timed.size == 100 and timed.capped  # 1 s calls would not have fit in 4 s
     assert 0.09 < timed.median() < 0.2
     assert len(timed.times[0]) >= 3
