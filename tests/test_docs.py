@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(240)  # a fresh interpreter on a busy machine
 def test_readme_quick_start_runs():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Quick start") :]
@@ -27,6 +28,7 @@ def test_readme_quick_start_runs():
     assert "torch.Size([4, 2])" in out.stdout
 
 
+@pytest.mark.timeout(360)  # its own subprocess timeout, and room to report it
 def test_measure_example_runs():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "measure.py")],
@@ -167,6 +169,7 @@ def test_every_readme_block_runs_as_pasted():
     assert [name for name, code in readme if assumed(code)] == []
 
 
+@pytest.mark.timeout(360)
 def test_a_fragment_that_leans_on_an_undefined_name_fails_here():
     """The runner gives a block only what it says it assumes: a paste that would fail
     fails here too, and an assumption the set-up cannot meet is named."""
@@ -186,13 +189,13 @@ def _run(group: list[tuple[str, str, list[str]]], shared: bool) -> dict[str, str
         capture_output=True,
         text=True,
         env=env,
-        timeout=280,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the groups side by side, each bounded below
 def test_every_python_snippet_in_the_readme_and_docs_runs():
     """Each block as pasted, or with exactly the names its ``# Assumes:`` line gives."""
     runnable, not_run = snippets()
@@ -226,7 +229,7 @@ def test_every_python_snippet_in_the_readme_and_docs_runs():
         runs.append((proc, json.dumps([PRELUDE, group, shared])))
     for proc, given in runs:
         try:
-            out, err = proc.communicate(given, timeout=280)
+            out, err = proc.communicate(given, timeout=540)
         finally:
             if proc.poll() is None:
                 proc.kill()
