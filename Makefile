@@ -4,6 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.stamp
+# torch's build for this machine, said in one line: the CPU build where no NVIDIA GPU is
+# here, else the default (CUDA) one; TORCH_INDEX_URL=<index> chooses, a torch already in
+# .venv is kept (scripts/torch_build.py).
+TORCH  := $(PY) scripts/torch_build.py --constraint constraints.txt
 
 .PHONY: run test test-quick test-infra infra-packages lint typecheck unit bench gpu-check clean
 
@@ -12,11 +16,13 @@ $(VENV)/bin/python:
 
 # The package (editable) plus what the tests and linters need. Re-run when the
 # dependency lists change.
-$(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt
+$(STAMP)-test: $(VENV)/bin/python pyproject.toml constraints.txt scripts/torch_build.py
+	$(TORCH)
 	$(PIP) -e ".[test]"
 	@touch $@
 
-$(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt
+$(STAMP)-run: $(VENV)/bin/python pyproject.toml constraints.txt scripts/torch_build.py
+	$(TORCH)
 	$(PIP) -e .
 	@touch $@
 

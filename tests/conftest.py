@@ -14,9 +14,9 @@ torch_xla is looked for without importing it, and imported only where it is inst
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +106,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def _slow_tests(folder: Path) -> frozenset[str]:
-    """The tests marked ``slow`` in the source: each ``def`` a ``@pytest.mark.slow`` decorates."""
+    """The tests marked ``slow`` in the source, in ``folder`` and the folders under it
+    (tests/cli/, tests/distributed/, ...): each test function a ``@pytest.mark.slow``
+    decorates (whatever the decorators around it), and every one of a module whose
+    ``pytestmark`` has it. Read from the syntax tree, never imported."""
     found = set()
-    for path in folder.glob("test_*.py"):
-        found.update(
-            re.findall(r"^@pytest\.mark\.slow\n(?:@.*\n)*def (\w+)", path.read_text(), re.M)
+    for path in folder.rglob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                 and n.name.startswith("test_")]  # fmt: skip
+        whole = any(
+            isinstance(n, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)
+            and _marks_slow(n.value)
+            for n in tree.body
         )
+        found.update(t.name for t in tests if whole or any(map(_marks_slow, t.decorator_list)))
     return frozenset(found)
+
+
+def _marks_slow(node: ast.expr) -> bool:
+    """``pytest.mark.slow`` in ``node``: the mark itself, or in a list of marks."""
+    if isinstance(node, ast.List | ast.Tuple):
+        return any(map(_marks_slow, node.elts))
+    return ast.unparse(node) == "pytest.mark.slow"

@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(240)  # a fresh interpreter on a busy machine
 def test_readme_quick_start_runs():
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Quick start") :]
@@ -27,6 +28,7 @@ def test_readme_quick_start_runs():
     assert "torch.Size([4, 2])" in out.stdout
 
 
+@pytest.mark.timeout(360)  # its own subprocess timeout, and room to report it
 def test_measure_example_runs():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "measure.py")],
@@ -46,13 +48,17 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NO_RUN = re.compile(r"<!-- no-run: (.+?) -->\s*\Z", re.S)
 #: Blocks that say why they cannot run here, per file: a new one must be counted here.
 NOT_RUN = {"README.md": 1, "docs/design.md": 1}
+#: A block's first line, where it is a fragment of the reader's program: what it takes as
+#: given, by name (what is in parentheses says what they are), e.g.
+#: ``# Assumes: model, x, y, loss_fn, optimizer (your own: a step of your loop)``.
+ASSUMES = re.compile(r"\A# Assumes: (.+)\n")
 
-#: What the snippets take as given: a small model and batch, a loader, an optimizer (and the
-#: imports, for a fragment; a snippet that starts with imports must bring all it uses). Each
-#: snippet starts from a fresh copy, in its own empty working folder.
+#: What the fragments may take as given, each by the name its ``# Assumes:`` line says: a
+#: small model and batch, a loader, an optimizer and its factory. A block gets those names
+#: and nothing else (no imports either), each in a fresh scope and an empty working folder.
 PRELUDE = """
+import functools
 import torch
-from pathlib import Path
 from torch import nn
 import anydevice as ad
 
@@ -75,26 +81,20 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x)
 
-made = []
-
 def make_model():
-    made.append(GPT())
-    return made[-1]
+    return GPT()
 
 def make_loader():
     data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randint(0, 2, (16,)))
     return torch.utils.data.DataLoader(data, batch_size=4)
 
-def make_optimizer():  # for the model made last, as in ad.prepare(make_model(), ...)
-    return torch.optim.SGD(made[-1].parameters(), lr=0.1)
-
+make_optimizer = functools.partial(torch.optim.SGD, lr=0.1)  # given the parameters
 device = ad.device()
 model = make_model().to(device)
-optimizer = opt = make_optimizer()
+optimizer = opt = make_optimizer(model.parameters())
 loader = make_loader()
 x, y = next(iter(loader))
 loss_fn = nn.functional.cross_entropy
-loss = loss_fn(model(x), y)
 a = b = torch.randn(64, 64)
 path = "ckpt"
 
@@ -106,22 +106,42 @@ RUNNER = """
 import json, os, sys, tempfile, traceback
 prelude, snippets, shared = json.load(sys.stdin)
 failed = {}
-scope = None
-for name, code in snippets:
+above = {}  # what the blocks above defined, in a file whose blocks run as one program
+for name, code, assumed in snippets:
     os.chdir(tempfile.mkdtemp())
-    given = {"__name__": "prelude"}
     try:
-        exec(compile(prelude, "<prelude>", "exec"), given)
-        own = code.startswith(("import ", "from "))  # a program: its imports are its own
-        if scope is None or not shared:
-            mine = ("torch", "nn", "ad", "Path") if own else ()
-            scope = {k: v for k, v in given.items() if k not in mine}
-        scope["__name__"] = "__main__"
+        given = {"__name__": "prelude"}
+        if assumed:
+            exec(compile(prelude, "<prelude>", "exec"), given)
+        known = {**given, **above}
+        missing = [n for n in assumed if n not in known]
+        if missing:
+            raise NameError(f"# Assumes: {missing}, which no set-up here defines")
+        scope = {"__name__": "__main__", **{n: known[n] for n in assumed}}
         exec(compile(code, name, "exec"), scope)
+        if shared:
+            above.update({k: v for k, v in scope.items() if not k.startswith("__")})
     except BaseException:
         failed[name] = traceback.format_exc(limit=-3)
 print(json.dumps(failed))
 """
+
+
+def assumed(code: str) -> list[str]:
+    """The names a block's ``# Assumes:`` line gives (none: it runs as pasted).
+
+    >>> assumed("# Assumes: model, x (a batch), make_optimizer (e.g. f(g, lr=1))\\nmodel(x)")
+    ['model', 'x', 'make_optimizer']
+    """
+    m = ASSUMES.match(code)
+    if m is None:
+        return []
+    text = m.group(1)
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    names = [n.strip() for n in text.split(",")]
+    assert all(n.isidentifier() for n in names), f"not names: {m.group(1)!r}"
+    return names
 
 
 def snippets() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -140,8 +160,44 @@ def snippets() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     return runnable, not_run
 
 
-@pytest.mark.timeout(300)
+def test_every_readme_block_runs_as_pasted():
+    """The README is what people paste first: no block there leans on names it does not
+    define (they did: make_model, make_loader, loss_fn, x, y)."""
+    runnable, _ = snippets()
+    readme = [(name, code) for name, code in runnable if name.startswith("README.md:")]
+    assert len(readme) >= 5
+    assert [name for name, code in readme if assumed(code)] == []
+
+
+@pytest.mark.timeout(360)
+def test_a_fragment_that_leans_on_an_undefined_name_fails_here():
+    """The runner gives a block only what it says it assumes: a paste that would fail
+    fails here too, and an assumption the set-up cannot meet is named."""
+    out = _run([("pasted", "loss = loss_fn(model(x), y)\n", []),
+                ("assumes", "# Assumes: model, x\nmodel(x).sum()\n", ["model", "x"]),
+                ("unknown", "# Assumes: dataset\nlen(dataset)\n", ["dataset"])], False)  # fmt: skip
+    assert set(out) == {"pasted", "unknown"}, out
+    assert "NameError: name 'loss_fn' is not defined" in out["pasted"]
+    assert "['dataset'], which no set-up here defines" in out["unknown"]
+
+
+def _run(group: list[tuple[str, str, list[str]]], shared: bool) -> dict[str, str]:
+    env = {**os.environ, "ANYDEVICE_DEVICE": "cpu"} if shared else None
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps([PRELUDE, group, shared]),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)  # the groups side by side, each bounded below
 def test_every_python_snippet_in_the_readme_and_docs_runs():
+    """Each block as pasted, or with exactly the names its ``# Assumes:`` line gives."""
     runnable, not_run = snippets()
     assert len(runnable) >= 8
     counted = {str(d.relative_to(ROOT)): 0 for d in DOCS}
@@ -150,14 +206,14 @@ def test_every_python_snippet_in_the_readme_and_docs_runs():
     assert {k: v for k, v in counted.items() if v} == NOT_RUN, not_run
     # A snippet that registers the simulated accelerator changes its process for good
     # ("auto" picks it from then on): those of one file run, in order, in a process of
-    # their own, as one program (the prelude's own device stays the CPU).
-    simulated: dict[str, list[tuple[str, str]]] = {}
+    # their own, as one program (a block may assume what one above it defined).
+    simulated: dict[str, list[tuple[str, str, list[str]]]] = {}
     together = []
     for name, code in runnable:
         if "testing." in code:
-            simulated.setdefault(name.split(":")[0], []).append((name, code))
+            simulated.setdefault(name.split(":")[0], []).append((name, code, assumed(code)))
         else:
-            together.append((name, code))
+            together.append((name, code, assumed(code)))
     failed: dict[str, str] = {}
     runs = []  # side by side: each group in a process of its own
     for shared, group in [(False, together), *((True, g) for g in simulated.values())]:
@@ -173,7 +229,7 @@ def test_every_python_snippet_in_the_readme_and_docs_runs():
         runs.append((proc, json.dumps([PRELUDE, group, shared])))
     for proc, given in runs:
         try:
-            out, err = proc.communicate(given, timeout=280)
+            out, err = proc.communicate(given, timeout=540)
         finally:
             if proc.poll() is None:
                 proc.kill()

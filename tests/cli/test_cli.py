@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,7 @@ def test_doctor_json_exit_code_matches_verdict():
     assert data["measurements"] is None
 
 
+@pytest.mark.timeout(360)
 def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     picture = tmp_path / "doctor.png"
     out = run("doctor", "--quick", "--json", "--plot", str(picture), timeout=300)
@@ -215,11 +217,17 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     data = json.loads(out.stdout)
     m = data["measurements"]
     assert m["plan"] == "quick" and m["budget"] == 10.0
-    assert 0 < m["seconds"] < 10.0 + 3.0  # one call predicted from the size below may run over
+    # One call predicted from the size below may run over, by more on a loaded machine: a
+    # bound only an ignored budget would break, not a speed.
+    assert 0 < m["seconds"] < 10.0 + 30.0
     cpu = {r["name"]: r for r in m["results"] if r["device"] == "cpu"}
     assert cpu["matmul-fp32"]["unit"] == "GFLOP/s" and cpu["matmul-fp32"]["value"] > 0
     assert cpu["memory-copy"]["unit"] == "GB/s" and cpu["memory-copy"]["value"] > 0
-    assert {lv["name"] for lv in m["levers"]} >= {"autocast", "channels-last"}
+    levers = {lv["name"] for lv in m["levers"]}
+    for name, step in (("autocast", "training step"), ("channels-last", "channels_last")):
+        # measured, or (where other jobs slowed the steps before it) said not to be
+        spent = f"cpu: {step}: not measured (the 10 s budget was spent)"
+        assert name in levers or spent in m["notes"], (name, m["notes"])
     assert all("spread" in lv and "noisy" in lv for lv in m["levers"])
     assert [d["device"] for d in m["devices"]][-1] == "cpu"
     assert m["advice"] and m["load"]["usable"] >= 1
@@ -229,6 +237,7 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     assert f"wrote {picture}" in out.stderr
 
 
+@pytest.mark.timeout(360)
 def test_doctor_table_prints_a_verdict_line_and_the_measurements():
     out = run("doctor", "--quick", "--device", "CPU", timeout=300)
     assert "check" in out.stdout
@@ -247,14 +256,30 @@ def _device_error(spec: str) -> str:
     return str(info.value)
 
 
+@pytest.fixture
+def doctor_work(monkeypatch):
+    """The calls the doctor made to check and measure (none, for a refusal), each recorded
+    and then let through."""
+    import anydevice.doctor
+
+    calls: list[str] = []
+    examine = anydevice.doctor.examine
+
+    def recorded(*args, **kwargs):
+        calls.append("examine")
+        return examine(*args, **kwargs)
+
+    monkeypatch.setattr(anydevice.doctor, "examine", recorded)
+    return calls
+
+
 @pytest.mark.parametrize("spec", ["cuda:7", "banana", "gpu:-1", "cpu:1"])
 @pytest.mark.parametrize("plan", ["--no-measure", "--quick"])
-def test_doctor_refuses_a_device_as_ad_device_does_before_any_work(spec, plan, capsys):
-    start = time.perf_counter()
+def test_doctor_refuses_a_device_as_ad_device_does_before_any_work(spec, plan, capsys, doctor_work):
     assert cli.main(["doctor", plan, "--device", spec]) == 2
     out = capsys.readouterr()
     assert out.err.strip() == f"anydevice doctor: {_device_error(spec)}"
-    assert out.out == "" and time.perf_counter() - start < 10  # nothing checked or measured
+    assert out.out == "" and doctor_work == []  # nothing checked or measured
 
 
 def test_doctor_takes_ad_devices_grammar_case_insensitive(capsys):
@@ -290,27 +315,147 @@ def test_doctor_plot_without_measurements_is_refused(tmp_path, capsys):
     ],
 )
 def test_doctor_plot_that_cannot_be_written_is_refused_before_measuring(
-    tmp_path, target, words, capsys
+    tmp_path, target, words, capsys, doctor_work
 ):
-    start = time.perf_counter()
     assert cli.main(["doctor", "--plot", str(tmp_path / target)]) == 2
     out = capsys.readouterr()
     assert words in out.err, out.err
-    assert out.out == "" and time.perf_counter() - start < 10  # the 30 s plan never ran
+    assert out.out == "" and doctor_work == []  # the 30 s plan never ran
 
 
-def test_doctor_plot_without_matplotlib_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
+
+
+def _read_until(fd: int, done: Callable[[str], bool], seconds: float) -> str:
+    """What a terminal shows, read from its pty until ``done(text)``, EOF or ``seconds``."""
+    import select
+
+    text, deadline = "", time.monotonic() + seconds
+    while not done(ANSI.sub("", text)) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the other side closed
+                break
+            if not chunk:
+                break
+            text += chunk.decode(errors="replace")
+    return ANSI.sub("", text)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_during_the_doctor_reports_what_was_measured_in_one_line_and_exits_130():
+    """In a real terminal (a pty): SIGINT once the progress bar shows a step done. The
+    report holds that step's number; one line says it was interrupted; no traceback. The
+    full plan (3 minutes of measuring) is still measuring when the signal comes, however
+    far behind the bar this test reads on a busy machine."""
+    import pty
+
+    main_fd, sub_fd = pty.openpty()
+    env = {**os.environ, "COLUMNS": "160", "TERM": "xterm"}
+    env.pop("ANYDEVICE_DEVICE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anydevice", "doctor", "--full", "--device", "cpu"],
+        stdin=subprocess.DEVNULL, stdout=sub_fd, stderr=sub_fd, env=env, start_new_session=True,
+    )  # fmt: skip
+    os.close(sub_fd)
+    try:
+        step_done = re.compile(r"measuring\b.*?\b[1-9]\d*/\d+", re.S)
+        before = _read_until(main_fd, lambda t: bool(step_done.search(t)), 240)
+        assert step_done.search(before), before
+        assert proc.poll() is None, before  # still measuring
+        proc.send_signal(signal.SIGINT)
+        after = _read_until(main_fd, lambda t: False, 120)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        os.close(main_fd)
+    assert code == 130, after
+    assert "Traceback" not in after and "KeyboardInterrupt" not in after, after
+    said = [line for line in after.splitlines() if line.startswith("anydevice doctor:")]
+    assert len(said) == 1 and "interrupted (Ctrl-C)" in said[0], after
+    assert "matmul fp32" in after  # the first step, measured before the signal
+    assert "steps measured, the rest not" in after  # the report's note
+
+
+def test_ctrl_c_before_measuring_says_so_in_one_line(monkeypatch, capsys):
+    import anydevice.doctor
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(anydevice.doctor, "examine", interrupted)
+    assert cli.main(["doctor", "--no-measure"]) == 130
+    out = capsys.readouterr()
+    assert out.err == "anydevice doctor: interrupted (Ctrl-C) before anything was measured.\n"
+    assert out.out == ""
+
+
+def test_doctor_plot_without_matplotlib_is_refused_before_measuring(
+    tmp_path, monkeypatch, capsys, doctor_work
+):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    start = time.perf_counter()
     assert cli.main(["doctor", "--plot", str(tmp_path / "d.png")]) == 2
     out = capsys.readouterr()
     assert "--plot needs matplotlib" in out.err and "anydevice[plot]" in out.err
-    assert out.out == "" and time.perf_counter() - start < 10
+    assert out.out == "" and doctor_work == []
 
 
 def test_no_command_prints_help_and_exits_2(capsys):
     assert cli.main([]) == 2
     assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["doctor", "--fast"], "--fast (did you mean --quick?)"),
+        (["doctor", "--jsn"], "--jsn (did you mean --json?)"),
+        (["doctor", "--devices", "cpu"], "--devices (did you mean --device?)"),
+        (["info", "--jsno"], "--jsno (did you mean --json?)"),
+        (["top", "--intervl", "2"], "--intervl (did you mean --interval?) 2"),
+        (["select", "--max-utl", "5"], "--max-utl (did you mean --max-util?) 5"),
+        (["launch", "--nporcs", "2", "x.py"], "--nporcs (did you mean --nprocs?)"),
+        (["launch", "--gpus", "2", "x.py"], "--gpus (did you mean --nprocs?)"),
+    ],
+)
+def test_an_unknown_flag_gets_the_nearest_one_of_its_command(argv, meant, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"anydevice {argv[0]}: error: unrecognized arguments: {meant}" in err, err
+    assert err.startswith(f"usage: anydevice {argv[0]}")  # the command's usage, not the top's
+
+
+def test_a_flag_like_nothing_we_have_gets_no_guess(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["doctor", "--banana"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --banana")
+
+
+def test_a_notebook_cell_ending_in_main_shows_no_stray_exit_code(capsys):
+    """A real IPython shell runs the cell as a notebook does; its display formatter is what
+    a notebook shows of the cell's value: nothing for 0 (it showed ``0`` under the report),
+    one line for a failure. The value is still the int that ``sys.exit`` takes."""
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        ok = shell.run_cell("from anydevice.cli import main\nmain(['info', '--json'])")
+        assert ok.success and ok.result == 0 and isinstance(ok.result, int)
+        assert shell.display_formatter.format(ok.result)[0] == {}  # nothing to show
+        capsys.readouterr()
+        bad = shell.run_cell("main(['doctor', '--no-measure', '--device', 'cuda:7'])")
+        assert bad.result == 2
+        assert shell.display_formatter.format(bad.result)[0] == {}
+        assert capsys.readouterr().out.splitlines()[-1] == "exit status 2"
+    finally:
+        InteractiveShell.clear_instance()
 
 
 def test_unknown_command_is_an_argparse_error():
@@ -516,14 +661,11 @@ def test_two_nodes_on_this_machine_finish_together(no_process_left_behind):
                  "--node-rank", str(node), DDP_EXAMPLE, "--epochs", "1"], env=CPU)
         for node in (0, 1)
     ]  # fmt: skip
-    t = time.perf_counter()
-    results = [finish(p, timeout=120) for p in procs]
-    ended = time.perf_counter() - t
+    results = [finish(p, timeout=120) for p in procs]  # each bounded, and killed past it
     assert [code for code, _, _ in results] == [0, 0], [err[-2000:] for _, _, err in results]
     outputs = "".join(out for _, out, _ in results)
     assert "2 process(es), gloo, on cpu" in outputs  # one world of two, across the nodes
     assert outputs.count("test accuracy") == 1
-    assert ended < 120
 
 
 @pytest.mark.slow

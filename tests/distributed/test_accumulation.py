@@ -227,6 +227,20 @@ def test_bad_arguments_name_the_value_and_what_to_do(kwargs, message):
         accumulate(nn.Linear(2, 1), loader, **kwargs)
 
 
+def test_an_uneven_global_batch_points_to_the_public_micro_batch_size():
+    """The fix it names is public: ``d.micro_batch_size`` on the context, which knows the
+    world size (``micro_batch_size`` itself is not in ``anydevice``'s API)."""
+    loader = DataLoader(range(64), batch_size=8)
+    with pytest.raises(ValueError) as info:
+        accumulate(nn.Linear(2, 1), loader, global_batch=100)
+    said = str(info.value)
+    assert "d.micro_batch_size(100, fits=" in said and "ad.distributed() as d" in said
+    assert "a loader batch size of 5" in said  # 100 = 20 x 5
+    assert not hasattr(ad, "micro_batch_size")
+    with ad.distributed() as d:
+        assert d.micro_batch_size(100, fits=8) == 5  # what the message says to call
+
+
 def test_micro_batch_size_refuses_what_cannot_be_split():
     assert micro_batch_size(512, fits=37, world_size=2) == 32
     assert micro_batch_size(7, fits=3) == 1  # a prime: one sample at a time
@@ -340,6 +354,7 @@ def _fsdp_rank(init_method: str) -> dict:
     return _train_on_rank(init_method, "fsdp")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     ("rank_fn", "wrapper"), [(_ddp_rank, "DistributedDataParallel"), (_fsdp_rank, "FSDPSequential")]

@@ -267,6 +267,7 @@ def test_ddp_matches_one_process_training_on_the_concatenated_batch(ddp_run):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     # What SIGINT did before: Python's default_int_handler, or SIG_IGN when the run was
     # started in the background by a shell without job control.
@@ -276,7 +277,7 @@ def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
         # Rank 1 raises, then lingers: rank 0 fails on the closed connection and is seen
         # first, and rank 1 is stopped before its exception leaves the worker. Rank 1 is
         # still the cause: ad.distributed recorded its error before closing the group.
-        ad.launch(workers.fail_on, 1, 60.0, nprocs=2, timeout=60)
+        ad.launch(workers.fail_on, 1, 600.0, nprocs=2, timeout=60)
     elapsed = time.perf_counter() - t
     err = info.value
     assert err.rank == 1
@@ -286,7 +287,8 @@ def test_a_failing_worker_names_its_rank_and_traceback_in_bounded_time():
     assert str(err).startswith("Rank 1 ")
     assert "injected failure on rank 1" in str(err)
     assert "rank(s) 0" in str(err)  # the bystander is named as such
-    assert elapsed < 50, f"the failure took {elapsed:.1f} s to surface"  # not the linger
+    # not the 600 s linger, however busy the machine
+    assert elapsed < 300, f"the failure took {elapsed:.1f} s to surface"
     assert signal.getsignal(signal.SIGINT) is sigint  # restored
 
 
@@ -315,7 +317,7 @@ def test_a_missing_node_times_out_within_the_configured_time():
             timeout=3,
         )
     elapsed = time.perf_counter() - t
-    assert 3 <= elapsed < 30, elapsed
+    assert 3 <= elapsed < 60, elapsed  # not torch's 600-900 s, however busy the machine
     assert isinstance(ad.DistributedTimeoutError("x"), TimeoutError)
 
 

@@ -66,7 +66,20 @@ def test_advice_on_threads_follows_the_threads_lever(busy_run):
         assert data["load"]["advice"] is None
     if lever is not None and lever.verdict == "use":
         assert lever.how in said
+    if lever is not None and lever.verdict == "noisy":
+        assert "measure again when the machine is quiet" in said
     assert "use all" not in said  # not beside a load that kept cores busy
+
+
+def test_no_advice_from_a_lever_whose_spread_is_too_wide(busy_run):
+    from anydevice.doctor.results import MAX_SPREAD
+
+    said = " ".join(busy_run.advice)
+    for lv in busy_run.levers:
+        if lv.spread is not None and lv.pairs >= 3 and lv.spread > MAX_SPREAD:
+            assert lv.verdict == "noisy" and lv.how not in said, lv
+        if lv.verdict == "use":
+            assert lv.spread is None or lv.spread <= MAX_SPREAD, lv
 
 
 def test_a_step_faster_than_the_measured_peak_gets_no_mfu_but_the_reason():

@@ -92,3 +92,20 @@ def test_a_cuda_home_without_headers_is_named_with_the_fix(tmp_path):
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "cuda_runtime.h").write_text("")
     assert find_nvcc(env).problem == ""
+
+
+@needs_nvcc
+def test_a_cpu_only_torch_gets_no_cuda_home_advice(tmp_path):
+    """nvcc with a set-up torch's builder would refuse (no headers beside it), but torch is
+    CPU-only: nothing of nvcc's matters, so no CUDA_HOME to set."""
+    nvcc = find_nvcc()
+    assert nvcc.path is not None
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").symlink_to(nvcc.path)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}
+    assert "set CUDA_HOME" in find_nvcc(env).problem
+    c = check_toolchain(machine(cuda_runtime=None, torch_build="CPU"), env)
+    assert "CUDA_HOME" not in c.summary and (c.fix is None or "CUDA_HOME" not in c.fix), c
+    assert "unused: torch is CPU-only, so .cu sources are left out" in c.summary
+    with_gpu = check_toolchain(machine(gpu(0), cuda_runtime=None, torch_build="CPU"), env)
+    assert "CUDA_HOME" not in with_gpu.summary  # a GPU, but a torch that cannot use it

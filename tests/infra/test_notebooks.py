@@ -190,6 +190,8 @@ def _check_the_doctor_shows_progress_then_its_report(
     assert "<progress" in updates[0]["content"]["data"]["text/html"]
     report = _text(cells["doctor"].outputs, "text/html")
     assert "checks" in report and "measured" in report
+    results = [o for o in cells["doctor"].outputs if o.output_type == "execute_result"]
+    assert results == [], results  # the exit status 0 is not echoed under the report
 
 
 def _check_a_cell_function_launches_two_forked_processes(cells: dict[str, Any]) -> None:

@@ -117,13 +117,39 @@ def test_track_memory_exact_when_the_block_sets_a_new_high_water_mark():
     assert r["net"] < 64 * MiB  # the big block was unmapped again
 
 
-def test_track_memory_samples_a_peak_below_the_high_water_mark():
+@pytest.fixture
+def samples(monkeypatch):
+    """Wait until each open block's sampling thread has read the memory in use twice more:
+    a block's sleep assumed the thread had run, which a busy machine may not grant it
+    within the sleep."""
+    from anydevice.measure import memory
+
+    reads: dict[int, int] = {}  # reader -> its reads
+    read = memory._Reader.__call__
+
+    def counted(self):
+        reads[id(self)] = reads.get(id(self), 0) + 1
+        return read(self)
+
+    monkeypatch.setattr(memory._Reader, "__call__", counted)
+
+    def wait_for_more(n: int = 2) -> None:
+        target = {k: v + n for k, v in reads.items()}
+        deadline = time.monotonic() + 60
+        while any(reads[k] < v for k, v in target.items()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert all(reads[k] >= v for k, v in target.items()), "a sampling thread never read"
+
+    return wait_for_more
+
+
+def test_track_memory_samples_a_peak_below_the_high_water_mark(samples):
     big = resident(512 * MiB)  # set a high-water mark well above what the block will reach
     del big
     gc.collect()
     with ad.track_memory("cpu", interval=0.001) as m:
         x = resident(192 * MiB)
-        time.sleep(0.05)  # long enough for many samples
+        samples()  # read while x is there
         del x
     assert m.exact is False and "sampled" in m.method
     assert m.peak_increase >= 150 * MiB
@@ -131,11 +157,11 @@ def test_track_memory_samples_a_peak_below_the_high_water_mark():
     assert "peak" in repr(m)
 
 
-def test_nested_track_memory_keeps_the_outer_peak():
+def test_nested_track_memory_keeps_the_outer_peak(samples):
     with ad.track_memory("cpu") as outer:
         with ad.track_memory("cpu") as inner:
             x = resident(160 * MiB)
-            time.sleep(0.03)
+            samples()
             del x
         assert inner.peak_increase >= 120 * MiB
     assert outer.peak >= inner.peak

@@ -261,20 +261,29 @@ def _doctor(args: argparse.Namespace) -> int:
             check_target(args.plot)  # before the measuring, not after it
         except (ImportError, ValueError) as e:
             return refuse(e)
-    inv = inventory()
-    if args.device:
-        try:
-            resolve_devices(inv, args.device)  # with --no-measure too: bad input is bad
-        except AnydeviceError as e:
-            return refuse(e)
     err = Console(stderr=True)
-    if args.plan == "none":
-        report = examine(inv)
-    else:
-        from anydevice.doctor.render import measuring
+    interrupted = False
+    try:
+        inv = inventory()
+        if args.device:
+            try:
+                resolve_devices(inv, args.device)  # with --no-measure too: bad input is bad
+            except AnydeviceError as e:
+                return refuse(e)
+        if args.plan == "none":
+            report = examine(inv)
+        else:
+            from anydevice.doctor.render import measuring
 
-        with measuring(err) as progress:
-            report = examine(inv, measure=args.plan, devices=args.device, progress=progress)
+            with measuring(err) as progress:
+                report = examine(inv, measure=args.plan, devices=args.device, progress=progress)
+    except KeyboardInterrupt as e:  # Ctrl-C: what was measured so far, then one line
+        so_far = getattr(e, "report", None)
+        if so_far is None:
+            print("anydevice doctor: interrupted (Ctrl-C) before anything was measured.",
+                  file=sys.stderr)  # fmt: skip
+            return 130
+        report, interrupted = so_far, True
     if args.plot and report.measurements is not None:
         from anydevice.doctor.plot import plot
 
@@ -287,6 +296,12 @@ def _doctor(args: argparse.Namespace) -> int:
         render_report(report, Console())
     if args.plot:
         err.print(f"wrote {args.plot}", highlight=False, soft_wrap=True)  # a path, unbroken
+    if interrupted:
+        m = report.measurements
+        done = f"{len(m.results)} number(s) and {len(m.levers)} lever(s)" if m else "the checks"
+        print(f"anydevice doctor: interrupted (Ctrl-C); the report holds what was measured "
+              f"before it: {done}.", file=sys.stderr)  # fmt: skip
+        return 130
     return report.exit_code
 
 
@@ -647,16 +662,78 @@ def build_parser() -> argparse.ArgumentParser:
     for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         cmd.configure(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, _parser=p)
     return parser
 
 
+#: Flags people reach for that mean one of ours: the suggestion where spelling is no guide.
+_SYNONYMS = {
+    "--fast": ("--quick",),
+    "--short": ("--quick",),
+    "--slow": ("--full",),
+    "--long": ("--full",),
+    "--thorough": ("--full",),
+    "--gpu": ("--device", "--nprocs"),
+    "--gpus": ("--device", "--nprocs"),
+    "--nodes": ("--nnodes",),
+    "--restarts": ("--max-restarts",),
+}
+
+
+def nearest_flag(word: str, options: Sequence[str]) -> str | None:
+    """The flag of ``options`` that ``word`` (an unknown ``--flag`` or ``--flag=value``)
+    most likely meant: its synonym, else the closest spelling; None where none is close.
+
+    >>> nearest_flag("--fast", ["--quick", "--full", "--json"])
+    '--quick'
+    >>> nearest_flag("--jsno", ["--quick", "--full", "--json"])
+    '--json'
+    >>> nearest_flag("--banana", ["--quick", "--full", "--json"]) is None
+    True
+    """
+    import difflib
+
+    flag = word.split("=", 1)[0]
+    for meant in _SYNONYMS.get(flag, ()):
+        if meant in options:
+            return meant
+    longs = [o for o in options if o.startswith("--")]
+    close = difflib.get_close_matches(flag, longs if flag.startswith("--") else options, 1, 0.6)
+    return close[0] if close else None
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """argparse's "unrecognized arguments" message, with the nearest flag of ``parser``
+    after each unknown one."""
+    options = [o for action in parser._actions for o in action.option_strings]
+    said = []
+    for word in extras:
+        near = nearest_flag(word, options) if word.startswith("-") else None
+        said.append(f"{word} (did you mean {near}?)" if near else word)
+    return f"unrecognized arguments: {' '.join(said)}"
+
+
+class ExitCode(int):
+    """The command's exit status: an ``int`` in every way (``sys.exit`` takes it), which a
+    notebook cell ending in ``main([...])`` does not echo as ``0`` under the report; a
+    failure's status it shows as one line."""
+
+    __slots__ = ()
+
+    def _ipython_display_(self) -> None:  # IPython's hook: called instead of showing repr
+        if self:
+            print(f"exit status {int(self)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``anydevice`` command; returns the exit code."""
+    """Entry point of the ``anydevice`` command; returns the exit code (an
+    :class:`ExitCode`, which a notebook does not echo)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # said by the sub-command's parser (its usage), with the nearest flag
+        where = getattr(args, "_parser", parser)
+        where.error(_unrecognized(where, extras))
     if not getattr(args, "_run", None):
         parser.print_help(sys.stderr)
-        return 2
-    code: int = args._run(args)
-    return code
+        return ExitCode(2)
+    return ExitCode(args._run(args))

@@ -436,7 +436,8 @@ def _from_global(loader: object, global_batch: int, world_size: int) -> int:
         raise ArgumentError(
             f"global_batch={global_batch} is not a whole number of micro-batches: "
             f"{world_size} rank(s) x batch size {size} = {per_step} samples per micro-batch. "
-            f"Use {hint} (micro_batch_size(global_batch, fits, world_size) picks one)."
+            f"Use {hint} (inside `with ad.distributed() as d:`, "
+            f"d.micro_batch_size({global_batch}, fits=<the largest batch that fits>) picks one)."
         )
     return global_batch // per_step
 

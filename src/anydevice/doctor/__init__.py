@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from anydevice.doctor.checks import run_checks
-from anydevice.doctor.results import Check
+from anydevice.doctor.results import Check, Interrupted
 from anydevice.hardware.facts import DeviceInfo
 from anydevice.hardware.inventory import Inventory, inventory
 
@@ -92,6 +92,8 @@ def examine(
     Raises:
         DeviceSpecError: a malformed spec in ``devices``.
         DeviceNotFoundError: a spec in ``devices`` that names no device here.
+        Interrupted: Ctrl-C while measuring (a ``KeyboardInterrupt``); its ``report`` holds
+            the checks and what was measured before it.
     """
     inv = inventory() if inv is None else inv
     env = os.environ if environ is None else environ
@@ -102,7 +104,11 @@ def examine(
     if measure is not None:
         from anydevice.doctor.measure import measure as run_measurements
 
-        measured = run_measurements(inv, measure, devices, progress, budget=budget)
+        try:
+            measured = run_measurements(inv, measure, devices, progress, budget=budget)
+        except KeyboardInterrupt as e:  # Ctrl-C: the interrupt goes on, with the report so far
+            so_far = e.measurements if isinstance(e, Interrupted) else None
+            raise Interrupted(so_far, Report(inv, checks, so_far)) from None
     return Report(inventory=inv, checks=checks, measurements=measured)
 
 

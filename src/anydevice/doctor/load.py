@@ -25,6 +25,8 @@ from typing import Any
 
 import psutil
 
+from anydevice.hardware.backends.cpu import busy_seconds, core_ids
+
 __all__ = ["CpuClock", "Load"]
 
 #: Cores of other processes' work above which the machine counts as busy.
@@ -91,21 +93,11 @@ class CpuClock:
 
     def __init__(self) -> None:
         self.process = psutil.Process()
-        try:
-            self.cores = sorted(self.process.cpu_affinity() or [])
-        except (AttributeError, psutil.Error):  # macOS and others have no affinity
-            self.cores = []
-        if not self.cores:
-            self.cores = list(range(psutil.cpu_count() or 1))
+        self.cores = core_ids()
 
     def read(self) -> tuple[float, float, float]:
         """(wall seconds, busy CPU seconds on the usable cores, this process's CPU seconds)."""
-        per_cpu = psutil.cpu_times(percpu=True)
-        busy = 0.0
-        for i in self.cores:
-            if i < len(per_cpu):
-                t = per_cpu[i]
-                busy += sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        busy = busy_seconds(self.cores)
         own = self.process.cpu_times()
         return time.perf_counter(), busy, own.user + own.system
 

@@ -29,7 +29,13 @@ import torch
 from anydevice.doctor.budget import Budget, Deadline, sized
 from anydevice.doctor.levers import lever_steps
 from anydevice.doctor.load import BUSY_CORES, CpuClock, Load, loadavg
-from anydevice.doctor.results import DeviceSummary, Measured, Measurements
+from anydevice.doctor.results import (
+    QUIET,
+    DeviceSummary,
+    Interrupted,
+    Measured,
+    Measurements,
+)
 from anydevice.doctor.workloads import (
     PLANS,
     Plan,
@@ -128,8 +134,34 @@ def run_plan(
     # parallel region: every number would measure that. The run uses the free cores (the
     # "threads" lever measures what the default costs) and says so.
     measuring_threads = before.free if before.advice else run.threads
-    with threads_set(measuring_threads):
-        _run_steps(steps, budget, run, cpu, progress)
+    done = [0]
+    try:
+        with threads_set(measuring_threads):
+            _run_steps(steps, budget, run, cpu, progress, done)
+    except KeyboardInterrupt:
+        # Ctrl-C: what was measured so far is the report, and the interrupt goes on
+        at = f" during {steps[done[0]][0]}" if done[0] < len(steps) else ""
+        run.notes.append(
+            f"interrupted (Ctrl-C){at}: {done[0]} of {len(steps)} steps measured, the rest not"
+        )
+        raise Interrupted(_measurements(inv, chosen, plan, run, budget, cpu, start,
+                                        measuring_threads, before, True)) from None  # fmt: skip
+    return _measurements(inv, chosen, plan, run, budget, cpu, start, measuring_threads, before)
+
+
+def _measurements(
+    inv: Inventory,
+    chosen: Sequence[DeviceInfo],
+    plan: Plan,
+    run: Run,
+    budget: Budget,
+    cpu: CpuClock,
+    start: tuple[float, float, float],
+    measuring_threads: int,
+    before: Load,
+    interrupted: bool = False,
+) -> Measurements:
+    usable = before.usable
     load = Load(usable, round(cpu.others_since(start), 2), run.threads, loadavg(),
                 measuring_threads, before.free)  # fmt: skip
     summaries = _summaries(chosen, run)
@@ -145,6 +177,7 @@ def run_plan(
         step=f"MLP training step: 4 layers of {width}, batch {batch}, SGD",
         budget=plan.budget,
         load=load,
+        interrupted=interrupted,
     )
 
 
@@ -154,11 +187,15 @@ def _run_steps(
     run: Run,
     cpu: CpuClock,
     progress: Progress | None,
+    finished: list[int] | None = None,
 ) -> None:
-    """Each step in its share of the time left; failures become notes."""
+    """Each step in its share of the time left; failures become notes. ``finished[0]``
+    counts the steps done (what an interrupt leaves measured)."""
     plan = run.plan
     weights = sum(w for _, w, _ in steps) / (1 - _RESERVE)
     for done, (title, weight, fn) in enumerate(steps):
+        if finished is not None:
+            finished[0] = done
         if progress is not None:
             progress(done, len(steps), title, budget.left())
         slot = budget.slot(weight / weights)
@@ -175,6 +212,8 @@ def _run_steps(
             _release()
         if time.perf_counter() - mark[0] >= 0.2 and cpu.others_since(mark) >= BUSY_CORES:
             _mark_noisy(run, before)
+    if finished is not None:
+        finished[0] = len(steps)
     if progress is not None:
         progress(len(steps), len(steps), "done", budget.left())
 
@@ -435,7 +474,11 @@ def _advice(inv: Inventory, rows: Sequence[DeviceSummary], run: Run, load: Load)
                     "The numbers taken meanwhile are marked busy")  # fmt: skip
         head = (f"Other processes kept {load.others:.1f} of {load.usable} cores busy while "
                 f"measuring. {measured}.")  # fmt: skip
-        if threads is not None and threads.verdict != "use":
+        if threads is not None and threads.verdict == "noisy":
+            # the lever's pairs spread too widely to say either way
+            out.append(f"{head} Fewer torch threads than its {load.torch_threads}: "
+                       f"{threads.advice}")  # fmt: skip
+        elif threads is not None and threads.verdict != "use":
             # the lever measured what fewer threads buy: advice follows its verdict
             out.append(
                 f"{head} Fewer torch threads than its {load.torch_threads}: "
@@ -505,13 +548,24 @@ def _emulated(inv: Inventory, run: Run) -> list[str]:
                 continue
             native = d.bf16 if dtype == "bf16" else None
             ratio = fp32.value / low.value
+            numbers = f"{low.value:.3g} against {fp32.value:.3g} GFLOP/s"
+            if fp32.noisy or low.noisy:  # one noisy reading each: no factor to quote
+                if native is False:  # the CPU's flags say so, whatever the timings
+                    out.append(
+                        f"{dtype} is emulated on {d.spec} (no native {dtype} units): keep "
+                        f"fp32 there; ad.precision({d.spec!r}) does. How much slower is "
+                        f"noisy here ({numbers}): {QUIET}."
+                    )
+                else:
+                    out.append(
+                        f"{dtype} matmuls measured slower than fp32 on {d.spec} ({numbers}), "
+                        f"but the readings are noisy: {QUIET}."
+                    )
+                continue
             head = (f"{dtype} is emulated on {d.spec}: {ratio:.0f}x slower than fp32 here"
                     if native is False else
                     f"{dtype} is {ratio:.0f}x slower than fp32 on {d.spec}")  # fmt: skip
-            out.append(
-                f"{head} ({low.value:.3g} against {fp32.value:.3g} GFLOP/s): keep fp32 there; "
-                f"ad.precision({d.spec!r}) does."
-            )
+            out.append(f"{head} ({numbers}): keep fp32 there; ad.precision({d.spec!r}) does.")
     return out
 
 

@@ -24,7 +24,8 @@ __all__ = ["check_target", "plot", "require_matplotlib"]
 
 _BANDWIDTH = ("memory-copy", "h2d-pageable", "h2d-pinned", "d2h-pageable", "d2h-pinned")
 _MATMUL = ("matmul-fp32", "matmul-tf32", "matmul-bf16", "matmul-fp16")
-_VERDICT_COLOR = {"use": "#2e7d32", "no-gain": "#9e9e9e", "slower": "#c62828", "n/a": "#bdbdbd"}
+_VERDICT_COLOR = {"use": "#2e7d32", "no-gain": "#9e9e9e", "slower": "#c62828",
+                  "noisy": "#f9a825", "n/a": "#bdbdbd"}  # fmt: skip
 _DEVICE_COLORS = ("#1565c0", "#ef6c00", "#6a1b9a", "#00838f", "#558b2f")
 
 
@@ -204,13 +205,14 @@ def _levers(ax: Any, levers: Sequence[Lever]) -> None:
     ax.axvline(1.0, color="black", linewidth=1.2)
     for i, lv in enumerate(measured):
         s = lv.speedup or 1.0
-        verdict = lv.verdict if lv.clear else "no-gain"
+        verdict = lv.verdict if lv.clear or lv.verdict == "noisy" else "no-gain"
         ax.barh(i, s - 1.0, left=1.0, color=_VERDICT_COLOR[verdict], height=0.6,
                 alpha=0.5 if lv.noisy else 0.9)  # fmt: skip
         if lv.low is not None and lv.high is not None:
             ax.plot([lv.low, lv.high], [i, i], color="black", linewidth=1.5)
-        words = {"use": "use", "slower": "slower: leave off", "no-gain": "no gain"}[verdict]
-        if not lv.clear:
+        words = {"use": "use", "slower": "slower: leave off", "no-gain": "no gain",
+                 "noisy": "noisy: measure again"}[verdict]  # fmt: skip
+        if not lv.clear and verdict != "noisy":
             words = "no clear difference" if lv.pairs >= 3 else f"{lv.pairs} pair(s): no verdict"
         spread = f" ±{lv.spread:.0%}" if lv.spread is not None else ""
         text = f"{s:.2f}x{spread}  {words}" + (" *" if lv.noisy else "")

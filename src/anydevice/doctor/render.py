@@ -67,6 +67,7 @@ _VERDICT_STYLE = {
     "use": ("✔ use", "green"),
     "no-gain": ("– no gain", "dim"),
     "slower": ("✖ slower", "yellow"),
+    "noisy": ("? noisy:\n  measure\n  again", "yellow"),
     "n/a": ("– n/a", "dim"),
 }
 
@@ -113,7 +114,7 @@ def levers_table(m: Measurements) -> Table:
         label, style = _VERDICT_STYLE[lv.verdict]
         if lv.verdict == "no-gain" and not lv.clear:
             label = "– no clear\n  difference" if lv.pairs >= 3 else "– too few\n  pairs"
-        if lv.noisy:
+        if lv.noisy and lv.verdict != "noisy":
             label += "\n(noisy)"
         what = Text(lv.title, style="bold")
         what.append(f"\n{lv.workload if lv.verdict != 'n/a' else lv.note}", style="dim")

@@ -15,11 +15,24 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from anydevice.doctor.load import Load
 
-__all__ = ["DeviceSummary", "Lever", "Measured", "Measurements", "Verdict", "find"]
+__all__ = [
+    "DeviceSummary",
+    "Interrupted",
+    "Lever",
+    "Measured",
+    "Measurements",
+    "Verdict",
+    "find",
+]
 
-Verdict = Literal["use", "no-gain", "slower", "n/a"]
+Verdict = Literal["use", "no-gain", "slower", "noisy", "n/a"]
 USE = 1.10  #: a lever that saves at least 10 % is worth turning on
 SLOWER = 0.95  #: one that costs more than 5 % is worth leaving off
+#: Half-spread, as a share of the speed-up, beyond which the pairs say nothing to act on
+#: ("9.02x ±83 %" came from one disturbed run): the verdict is "noisy", the advice to
+#: measure again when the machine is quiet.
+MAX_SPREAD = 0.5
+QUIET = "measure again when the machine is quiet"
 
 
 @dataclass(frozen=True)
@@ -100,9 +113,14 @@ class Lever:
 
     @property
     def verdict(self) -> Verdict:
+        """``use`` or ``slower`` where the whole spread is on that side of 1x and no wider
+        than ±:data:`MAX_SPREAD`; ``noisy`` where it is wider; else ``no-gain``."""
         s = self.speedup
         if s is None:
             return "n/a"
+        spread = self.spread
+        if spread is not None and self.pairs >= 3 and spread > MAX_SPREAD:
+            return "noisy"
         if not self.clear:
             return "no-gain"
         return "use" if s >= USE else "slower" if s < SLOWER else "no-gain"
@@ -115,6 +133,8 @@ class Lever:
         spread = f" (±{self.spread:.0%})" if self.spread is not None and self.pairs >= 3 else ""
         if self.low is not None and self.pairs < 3:
             spread = f" ({self.pairs} pair(s) only)"
+        if self.verdict == "noisy":
+            return f"{s:.2f}x{spread}: noisy: {QUIET}."
         if not self.clear:
             return f"{s:.2f}x: no clear difference{spread} on {self.device}."
         if self.verdict == "use":
@@ -177,6 +197,7 @@ class Measurements:
     step: str = ""  #: the training step every device ran
     budget: float = 0.0  #: seconds the plan allowed
     load: Load | None = field(default=None)  #: other processes' use of the cores meanwhile
+    interrupted: bool = False  #: stopped by Ctrl-C: what was measured before it
 
     def result(self, device: str, name: str) -> Measured | None:
         return find(self.results, device, name)
@@ -204,7 +225,18 @@ class Measurements:
             "devices": [d.to_dict() for d in self.devices],
             "advice": list(self.advice),
             "notes": list(self.notes),
+            "interrupted": self.interrupted,
         }
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while the doctor measured: still a ``KeyboardInterrupt``, carrying what was
+    measured before it (``measurements``) and, once the checks are added, the ``report``."""
+
+    def __init__(self, measurements: Measurements | None, report: Any = None) -> None:
+        super().__init__()
+        self.measurements = measurements
+        self.report = report  #: the doctor's Report of what was done, where known
 
 
 def _threads_verdict(levers: Sequence[Lever]) -> Lever | None:

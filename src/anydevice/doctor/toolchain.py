@@ -52,17 +52,15 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
         problems.append("no ninja: ad.load_extension (torch's extension builder) needs it")
         fixes.append("pip install ninja")
 
-    if nvcc.found:
+    if nvcc.found and torch_cuda is not None:
         found.append(f"nvcc {nvcc.version or '?'} ({nvcc.path})")
-        if nvcc.problem and torch_cuda is not None and gpus:
+        if nvcc.problem and gpus:
             status = "warn"
             problems.append(f"nvcc cannot build torch extensions: {nvcc.problem}")
             fixes.append(f"export CUDA_HOME=<the CUDA {torch_cuda} toolkit folder>.")
         elif nvcc.problem:
             found.append(f"but {nvcc.problem}")
-        if torch_cuda is None:
-            found.append("torch is CPU-only, so .cu sources are left out")
-        elif nvcc.version and nvcc.version.split(".")[0] != torch_cuda.split(".")[0]:
+        if nvcc.version and nvcc.version.split(".")[0] != torch_cuda.split(".")[0]:
             status = "warn"
             problems.append(
                 f"nvcc is CUDA {nvcc.version} but torch uses CUDA {torch_cuda}: CUDA "
@@ -72,6 +70,11 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
                 f"Install the CUDA {torch_cuda.split('.')[0]}.x toolkit and set CUDA_HOME to "
                 f"it, or install a torch built for CUDA {nvcc.version.split('.')[0]}.x."
             )
+    elif nvcc.found:  # a CPU-only torch: nothing of nvcc's set-up (CUDA_HOME) matters
+        found.append(
+            f"nvcc {nvcc.version or '?'} ({nvcc.path}), unused: torch is CPU-only, so .cu "
+            "sources are left out"
+        )
     elif torch_cuda is not None and gpus:
         status = "warn" if status == "warn" else "info"
         problems.append(

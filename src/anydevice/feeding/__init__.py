@@ -3,6 +3,8 @@
 Modules:
 
 * :mod:`~anydevice.feeding.loader`: :class:`~anydevice.DeviceLoader` and its statistics.
+* :mod:`~anydevice.feeding.waiting`: the waiting share of a pass, chunk by chunk, and its
+  spread (what the statistics' advice rests on).
 * :mod:`~anydevice.feeding.transfer`: what to pin and how a batch is copied, with the
   events that keep a copy from being read early or freed while in flight.
 * :mod:`~anydevice.feeding.copies`: the copy stream and events one loader pass uses.

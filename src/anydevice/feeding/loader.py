@@ -79,6 +79,7 @@ from anydevice.feeding.resume import (
 )
 from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
+from anydevice.feeding.waiting import Shares
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
@@ -114,6 +115,15 @@ class LoaderStats:
     #: what ended the pass early (``"ValueError: bad sample"``), None for a pass that ran
     #: or still runs normally; the times of an aborted pass say nothing about the loop
     aborted: str | None = None
+    #: the waiting share after the first batch (start-up aside), and its spread over the
+    #: pass (10th to 90th percentile of its chunks of batches); None before two batches
+    steady: float | None = None
+    wait_low: float | None = None
+    wait_high: float | None = None
+    cores: int | None = None  #: cores this process may use
+    #: cores kept busy on average during the pass, by every process (this one, its
+    #: DataLoader workers, others); None where it was not read
+    cpu_busy: float | None = None
 
     @property
     def wait_fraction(self) -> float:
@@ -128,8 +138,19 @@ class LoaderStats:
         return self.bytes_moved / self.copy_seconds
 
     @property
+    def saturated(self) -> bool:
+        """The usable cores were busy (less than half a core idle on average) during the
+        pass: more DataLoader workers would wait for them too (unless loading waits on
+        I/O rather than the CPU)."""
+        if self.cpu_busy is None or not self.cores:
+            return False
+        return self.cpu_busy >= self.cores - 0.5
+
+    @property
     def verdict(self) -> str:
-        """One line: input-bound, copy-bound, or compute-bound — and what to do."""
+        """One line: input-bound, copy-bound, or compute-bound — and what to do. A pass
+        whose waiting share, chunk by chunk, lies on both sides of the 20 % line (a
+        machine whose other jobs come and go) gets no advice, but "noisy"."""
         if self.aborted is not None:
             return (
                 f"aborted after {self.batches} batches by {self.aborted}: no advice from a "
@@ -137,10 +158,23 @@ class LoaderStats:
             )
         if self.batches == 0:
             return "no batch delivered yet"
-        share = self.wait_fraction
+        share = self.wait_fraction if self.steady is None else self.steady
+        low, high = self.wait_low, self.wait_high
+        if low is not None and high is not None and low < _INPUT_BOUND <= high:
+            return (
+                f"noisy: {share:.0%} of the step waiting for data, from {low:.0%} to "
+                f"{high:.0%} over the pass: measure again when the machine is quiet"
+            )
         if share >= _INPUT_BOUND:
             fixes = []
-            if self.num_workers is not None:
+            if self.num_workers is not None and self.saturated:
+                fixes.append(
+                    f"the {self.cores} usable core(s) were busy ({self.cpu_busy:.1f} on "
+                    "average, every process counted): more workers would wait for them too "
+                    "unless loading waits on I/O; make each sample cheaper to load (decode "
+                    "or augment on the device with transform=)"
+                )
+            elif self.num_workers is not None:
                 fixes.append(f"raise num_workers (now {self.num_workers})")
             else:
                 fixes.append("make the source faster")
@@ -155,6 +189,15 @@ class LoaderStats:
                     "send smaller dtypes (e.g. uint8) and convert on the device with transform="
                 )
         return f"compute-bound: the next batch was ready {1 - share:.0%} of the time"
+
+    @property
+    def advice(self) -> str | None:
+        """What to change, where the pass says so; None where there is nothing to do or
+        nothing certain (an aborted or noisy pass)."""
+        verdict = self.verdict
+        if verdict.startswith(("input-bound", "copy-bound")):
+            return verdict.split(" — ", 1)[-1]
+        return None
 
     def __repr__(self) -> str:
         from anydevice.hardware.facts import format_bytes
@@ -195,6 +238,36 @@ class _Counters:
         self.pinned: bool | None = None
         self.aborted: str | None = None
         self.times = times  #: copy timings, None where copies are not timed
+        self._wait_then = 0.0  #: ``wait`` at the last hand-out
+        self.shares = Shares()  #: each hand-out's wait and step, after the first
+        self.cores: list[int] = []  #: the cores whose busy time is read
+        self.cpu: tuple[float, float] | None = None  #: (wall, busy CPU s) when the pass began
+
+    def begin(self, now: float) -> None:
+        """The pass's first fetch: its clock, and the CPU time of its cores."""
+        from anydevice.hardware.backends.cpu import busy_seconds, core_ids
+
+        self.start = now
+        try:
+            self.cores = core_ids()
+            self.cpu = (time.perf_counter(), busy_seconds(self.cores))
+        except Exception:  # advice on top of the stats, never a reason to fail the pass
+            self.cpu = None
+
+    def handed_out(self, now: float) -> None:
+        """Batch ``batches`` handed out at ``now``: its wait and step join the chunks."""
+        if self.batches:  # the first hand-out is the pass's start-up, not its steady state
+            self.shares.add(self.wait - self._wait_then, now - self.last)
+        self.batches += 1
+        self.last, self._wait_then = now, self.wait
+
+    def cpu_busy(self) -> float | None:
+        if self.cpu is None:
+            return None
+        from anydevice.hardware.backends.cpu import busy_seconds
+
+        wall = time.perf_counter() - self.cpu[0]
+        return max(0.0, (busy_seconds(self.cores) - self.cpu[1]) / wall) if wall > 0 else None
 
 
 class DeviceLoader(Generic[T]):
@@ -416,6 +489,9 @@ class DeviceLoader(Generic[T]):
         if c.times is not None:
             c.times.collect(block=True)
         total = (c.last - c.start) if c.start is not None else 0.0
+        spread = c.shares.spread()
+        from anydevice.hardware.backends.cpu import usable_cores
+
         return LoaderStats(
             batches=c.batches,
             bytes_moved=c.bytes_moved,
@@ -426,6 +502,11 @@ class DeviceLoader(Generic[T]):
             num_workers=getattr(self.loader, "num_workers", None),
             pinned=c.pinned,
             aborted=c.aborted,
+            steady=c.shares.share(),
+            wait_low=spread[0] if spread else None,
+            wait_high=spread[1] if spread else None,
+            cores=usable_cores(),
+            cpu_busy=c.cpu_busy(),
         )
 
     # ------------------------------------------------------------------ iteration
@@ -677,7 +758,7 @@ class _Pass:
         c = self.counters
         t0 = time.perf_counter()
         if c.start is None:
-            c.start = t0
+            c.begin(t0)
         try:
             if self.producer is not None:
                 batch, error, nbytes, pinned = self.producer.get()
@@ -778,9 +859,7 @@ class _Pass:
             self._issue(block=self.lookahead_waits)
         except Exception as e:  # the source failed on batch k+1: deliver k, raise next time
             self.error = e
-        c = self.counters
-        c.batches += 1
-        c.last = time.perf_counter()
+        self.counters.handed_out(time.perf_counter())
         return batch
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +27,15 @@ from anydevice.hardware.facts import DeviceInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CpuBackend", "cgroup_cpu_quota", "cgroup_memory_limit", "torch_build"]
+__all__ = [
+    "CpuBackend",
+    "busy_seconds",
+    "cgroup_cpu_quota",
+    "cgroup_memory_limit",
+    "core_ids",
+    "torch_build",
+    "usable_cores",
+]
 
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -189,6 +197,46 @@ def torch_build() -> str:
     if torch.backends.mps.is_built():
         return "MPS"
     return "CPU"
+
+
+def usable_cores() -> int:
+    """Cores this process may use: its affinity, capped by its cgroup's CPU quota.
+
+    >>> usable_cores() >= 1
+    True
+    """
+    return _usable_cores(os.cpu_count() or 1, cgroup_cpu_quota())
+
+
+def core_ids() -> list[int]:
+    """The cores this process may run on (its affinity; every core where the OS has none).
+
+    >>> len(core_ids()) >= 1
+    True
+    """
+    try:
+        ids = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity call
+        ids = []
+    return ids or list(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cores: Sequence[int]) -> float:
+    """CPU seconds every process together has spent on ``cores`` (since boot): two readings
+    apart, over the wall time between them, are the cores kept busy meanwhile.
+
+    >>> busy_seconds(core_ids()) > 0.0
+    True
+    """
+    import psutil  # light, but only needed when someone looks
+
+    per_cpu = psutil.cpu_times(percpu=True)
+    busy = 0.0
+    for i in cores:
+        if i < len(per_cpu):
+            t = per_cpu[i]
+            busy += sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    return busy
 
 
 def _usable_cores(logical: int, quota: float | None) -> int:
