@@ -56,6 +56,15 @@ with ad.distributed(timeout=15) as d:
     ad.all_reduce(torch.ones(1))  # WAITS
 """
 
+#: As STALL, but rank 1 is stuck in native code that holds the GIL (a read of a pipe
+#: nobody writes, which the signal's handler restarts): its own watch thread cannot run,
+#: so the launcher asks its stack by signal.
+GIL = STALL.replace(
+    "time.sleep(600)  # STUCK", "ctypes.PyDLL(None).read(os.pipe()[0], buf, 1)  # STUCK"
+).replace(
+    "import os, sys, time", "import ctypes, os, sys, time\nbuf = ctypes.create_string_buffer(1)"
+)
+
 #: Two groups of the same ranks, called in different orders.
 DEADLOCK = """\
 import os, sys, time
@@ -158,7 +167,7 @@ def launches(tmp_path_factory):
     """Every case side by side: the mismatch, the stall, the slow rank, the deadlock
     stopped by SIGTERM (CLI), the killed rank (ad.launch), the mismatch on two nodes."""
     root = tmp_path_factory.mktemp("hangs")
-    names = ("mismatch", "stall", "slow", "kill", "deadlock", "node0", "node1")
+    names = ("mismatch", "stall", "gil", "slow", "kill", "deadlock", "node0", "node1")
     folders = {name: root / name for name in names}
     for folder in folders.values():
         folder.mkdir()
@@ -171,6 +180,7 @@ def launches(tmp_path_factory):
         procs = {
             "mismatch": launch(folders["mismatch"], MISMATCH, "--hang-after", "5"),
             "stall": launch(folders["stall"], STALL, "--hang-after", "3"),
+            "gil": launch(folders["gil"], GIL, "--hang-after", "3"),
             "slow": launch(folders["slow"], SLOW, "--hang-after", "2"),
             "kill": start(
                 [sys.executable, str(driver), str(folders["kill"] / "notes")], folders["kill"]
@@ -205,7 +215,7 @@ def two_nodes(root: Path, *folders: Path) -> dict[str, subprocess.Popen[str]]:
 
 def stop_when_deadlocked(proc: subprocess.Popen[str], beats: Path) -> None:
     """SIGTERM to the launch once both ranks' records show their collectives (op and all)
-    and they have waited 2 s more."""
+    and they have waited 6 s more."""
     deadline = time.monotonic() + 180
     while True:
         calls = [b.collective for b in heartbeat.read_all(beats) if b.collective is not None]
@@ -214,7 +224,7 @@ def stop_when_deadlocked(proc: subprocess.Popen[str], beats: Path) -> None:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the ranks never reached their collectives"
         time.sleep(0.2)
-    time.sleep(2)  # they have waited 2 s or more when the launcher looks, as it stops
+    time.sleep(6)  # they have waited 5 s or more (STOP_AFTER) when the launcher stops
     os.kill(proc.pid, signal.SIGTERM)
 
 
@@ -252,6 +262,19 @@ def test_a_rank_stuck_before_a_collective_is_named_while_the_job_goes_on(launche
     assert f"it is at {script}:{stuck} (`time.sleep(600)  # STUCK`)" in failure
     assert "progress again" not in err
     assert ended - hang_started(tmp) < 60
+
+
+def test_a_rank_stuck_holding_the_gil_is_found_by_its_stack(launches):
+    tmp, code, _, err, _ = launches["gil"]
+    script = str(tmp / "job.py")
+    stuck = line_of(GIL, "# STUCK")
+    live = next(line for line in err.splitlines() if "makes no progress" in line)
+    assert (
+        "rank 1 has not reached all_reduce #2 for" in live
+        and f"it is at {script}:{stuck} (`ctypes.PyDLL(None).read(os.pipe()[0], buf, 1)  # STUCK`)"
+        in live
+    ), err
+    assert code == 1, err
 
 
 def test_a_slow_rank_within_the_gaps_the_job_showed_is_not_judged(launches):

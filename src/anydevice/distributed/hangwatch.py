@@ -63,7 +63,8 @@ logger = logging.getLogger("anydevice")
 
 INTERVAL = 1.0  #: seconds between two looks
 STALE = 3.0  #: seconds without a tick of a rank's watcher before its stack is asked by signal
-FINAL_AFTER = 2.0  #: a rank that waited this long when the job stopped or failed is judged
+FINAL_AFTER = 2.0  #: a rank that waited this long when the launch failed is judged
+STOP_AFTER = 5.0  #: ... and this long when a signal stopped it (a slow step is not a hang)
 MISMATCH_AFTER = 1.0  #: both ranks seen this long in their collectives: a mismatch
 _KEY = "anydevice/hang"  #: the store's keys of the watch, per rendezvous round
 _NONE = RankState(-1)
@@ -327,7 +328,7 @@ class HangWatch:
             if any(_waits(s, FINAL_AFTER) for s in states.values()):
                 with self._lock:
                     self._snapshot = (states, dict(self._groups))
-        found = self._final({})
+        found = self._final({}, STOP_AFTER)
         if found is not None:
             self._say(f"stopped by {sig.name} while the job made no progress: {found.text()}")
 
@@ -339,7 +340,7 @@ class HangWatch:
             return []
         return ["", f"What the ranks were doing (the hang watch): {found.text()}"]
 
-    def _final(self, exitcodes: Mapping[int, int]) -> Verdict | None:
+    def _final(self, exitcodes: Mapping[int, int], after: float = FINAL_AFTER) -> Verdict | None:
         if not self.on:
             return None
         with self._lock:
@@ -348,7 +349,7 @@ class HangWatch:
             s = states.get(rank)
             if s is not None and code < 0 and -code != signal.SIGTERM:
                 states[rank] = replace(s, gone=_signal_text(-code))  # what the agent saw
-        return diagnose(states, groups, hang_after=FINAL_AFTER, mismatch_after=MISMATCH_AFTER)
+        return diagnose(states, groups, hang_after=after, mismatch_after=MISMATCH_AFTER)
 
     def stopped_error(self, result: Any) -> WorkerFailedError:
         """The error of a launch this watch stopped (``result``: the agent's, with each
