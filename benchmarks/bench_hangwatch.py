@@ -220,9 +220,15 @@ def report(samples: dict[str, dict[str, list[float]]], loads: list[float], args:
         res = Result(f"hangwatch-{slug}", unit, baseline="torch default")
         for way in WAYS:
             res.add(way, [v * scale for v in samples[way][name]])
+        fastest = {way: min(res.samples[way]) for way in WAYS}
+        res.extra["fastest_block"] = fastest
+        res.notes.append(
+            "fastest block (the least disturbed by the machine's other work): "
+            + ", ".join(f"{way} {value:.4g} {unit}" for way, value in fastest.items())
+        )
         added = res.rows["anydevice watch"] - res.rows["torch default"]
         recorder = res.rows["torch default"] - res.rows["recorder off"]
-        res.notes += [
+        res.notes[:0] = [
             shape,
             load,
             f"{name}: the watch adds {added:+.3g} {unit} "

@@ -151,3 +151,57 @@ def test_fingerprints_are_the_same_in_every_process():
     assert fingerprint("all_to_all", [[4]], ["Float"]) == fingerprint(
         "all_to_all", [[8]], ["Float"]
     )
+
+
+#: One NCCL rank under a plain environment launcher: five all_reduces, then its record.
+NCCL_RANK = """
+import json, os, sys, time
+from pathlib import Path
+import torch
+import anydevice as ad
+from anydevice import heartbeat
+
+with ad.distributed(timeout=60) as d:
+    assert d.backend == "nccl", d.backend
+    t = torch.ones(4, device=d.device)
+    for _ in range(5):
+        torch.distributed.all_reduce(t)
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        (mine,) = [b for b in heartbeat.read_all() if b.pid == os.getpid()]
+        if mine.details.get("seqs", {}).get("0", 0) >= 5:
+            break
+        time.sleep(0.1)
+    print(json.dumps(mine.details))
+"""
+
+
+@pytest.mark.cuda
+def test_nccl_collectives_are_counted_from_the_same_record(tmp_path):
+    """NCCL's collectives reach the watch through torch's flight recorder, as gloo's do
+    (a world of one, in a fresh process: one GPU is enough)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ranks import free_port
+
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "ANYDEVICE_HEARTBEAT_DIR": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", NCCL_RANK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    details = json.loads(out.stdout.strip().splitlines()[-1])
+    assert details["seqs"]["0"] >= 5, details
+    assert details["groups"]["0"]["ranks"] == [0]

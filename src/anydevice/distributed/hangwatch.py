@@ -338,6 +338,8 @@ class HangWatch:
         found = self._final(exitcodes)
         if found is None:
             return []
+        # The stacks are above already: each rank stopped dumps its own.
+        found = replace(found, stacks=())
         return ["", f"What the ranks were doing (the hang watch): {found.text()}"]
 
     def _final(self, exitcodes: Mapping[int, int], after: float = FINAL_AFTER) -> Verdict | None:
