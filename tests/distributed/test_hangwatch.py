@@ -331,3 +331,46 @@ def test_two_nodes_stop_a_mismatch_with_one_verdict(launches):
     ) in said[0]
     other = next(err for err in errs if err is not said[0])
     assert "The job was stopped by the hang watch of node" in other, other
+
+
+# ----------------------------------------------------------------------------- parts
+
+
+def test_how_a_process_ended_is_read_while_it_is_a_zombie():
+    from anydevice.distributed.hangwatch import _ended
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _ended(child.pid) == "ended" and time.monotonic() < deadline:
+            time.sleep(0.05)  # not reaped yet: a zombie, whose status /proc keeps
+        assert _ended(child.pid) == "killed by SIGKILL"
+    finally:
+        child.wait(timeout=30)
+    assert _ended(child.pid) == "ended"  # reaped: nothing left to read
+
+
+def test_a_faulthandler_dump_gives_the_main_threads_frames_outermost_first(tmp_path):
+    from anydevice.distributed.hangwatch import _faulthandler_frames
+
+    code = (
+        "import faulthandler, sys, threading, time\n"
+        "def inner():\n"
+        "    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)\n"
+        "def outer():\n"
+        "    inner()\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "outer()\n"
+    )
+    script = tmp_path / "dumps.py"
+    script.write_text(code)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True
+    )
+    frames = _faulthandler_frames(out.stdout)
+    assert [(Path(f).name, line, name) for f, line, name in frames] == [
+        ("dumps.py", 7, "<module>"),
+        ("dumps.py", 5, "outer"),
+        ("dumps.py", 3, "inner"),
+    ]

@@ -57,7 +57,7 @@ from anydevice.distributed.verdict import (
 )
 from anydevice.errors import WorkerFailedError
 
-__all__ = ["FINAL_AFTER", "INTERVAL", "HangWatch"]
+__all__ = ["FINAL_AFTER", "INTERVAL", "STOP_AFTER", "HangWatch"]
 
 logger = logging.getLogger("anydevice")
 
@@ -71,8 +71,9 @@ _NONE = RankState(-1)
 
 
 class HangWatch:
-    """The watch of one node's workers (see the module docstring). ``hang_after`` None
-    turns it off. ``say`` prints a verdict (default: the ``anydevice`` logger's warning)."""
+    """The watch of one node's workers (see the module docstring). ``hang_after`` None or
+    0 turns it off. ``say`` prints a verdict (default: the ``anydevice`` logger's warning);
+    ``clock`` gives wall-clock seconds (the heartbeats' times are wall-clock)."""
 
     def __init__(
         self,
@@ -100,8 +101,8 @@ class HangWatch:
         self._remote: dict[int, RankState] = {}
         self._groups: dict[str, Group] = {}
         self._snapshot: tuple[dict[int, RankState], dict[str, Group]] = ({}, {})
-        self._said: tuple[object, ...] | None = None  # the verdict printed last
-        self._said_threshold = 0.0
+        self._said: tuple[object, ...] | None = None  # the verdict printed last, anywhere
+        self._said_here = False  # ... by this node
         self.stopped: Verdict | None = None  #: the mismatch that stopped the job
         self.stopped_by: str = ""  #: the node whose verdict stopped it, when not this one
 
@@ -137,7 +138,7 @@ class HangWatch:
             return
         with self._lock:
             self._store, self._node, self._nodes = mine, node, nodes
-            self._published, self._remote, self._said = "", {}, None
+            self._published, self._remote, self._said, self._said_here = "", {}, None, False
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL):
@@ -178,16 +179,15 @@ class HangWatch:
                 self._snapshot = ({}, {})
         threshold = self.threshold(states)
         found = diagnose(states, groups, hang_after=threshold, mismatch_after=MISMATCH_AFTER)
-        if found is not None and not found.certain:
-            found = self._with_stacks(found, states, groups, threshold)
         if found is None:
             if self._said is not None and not gone:
-                self._said = None
-                self._say(
-                    "the ranks progress again; the hang watch now waits "
-                    f"{self.threshold(states):.0f} s (--hang-after {self.hang_after:g} s, or "
-                    "twice the longest gap between collectives)."
-                )
+                if self._said_here:
+                    self._say(
+                        "the ranks progress again; the hang watch now waits "
+                        f"{threshold:.0f} s (--hang-after {self.hang_after:g} s, or twice the "
+                        "longest gap between collectives)."
+                    )
+                self._said, self._said_here = None, False
             return None
         if found.certain:
             if self.stopped is None and self._claim(found, store):
@@ -195,11 +195,13 @@ class HangWatch:
                 self._end_workers()
             return found
         if found.signature != self._said:
-            self._said = found.signature
+            self._said, self._said_here = found.signature, False
             # A worker of this node that ended fails the launch at once, with the verdict.
             ours = found.kind == "gone" and any(local.get(r, _NONE).gone for r in found.blamed)
             if not ours and self._claim(found, store):
+                found = self._with_stacks(found, states, groups, threshold) or found
                 self._say(self._live_text(found, threshold))
+                self._said_here = True
         return found
 
     def threshold(self, states: Mapping[int, RankState]) -> float:

@@ -131,22 +131,19 @@ def live_stacks_file(launch_dir: str | os.PathLike[str], rank: int) -> Path:
 
 class Watcher:
     """The thread that reads the flight recorder and the main thread's place into
-    ``beat``. :meth:`look` is one tick (the tests call it with their own clock)."""
+    ``beat``. :meth:`look` is one tick; ``clock`` gives wall-clock seconds."""
 
     def __init__(
-        self,
-        beat: heartbeat.Heartbeat,
-        *,
-        clock: Callable[[], float] = time.time,
-        main: int | None = None,
+        self, beat: heartbeat.Heartbeat, *, clock: Callable[[], float] = time.time
     ) -> None:
         self.beat = beat
         self.pid = os.getpid()
         self._clock = clock
-        self._main = threading.main_thread().ident if main is None else main
+        self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._groups: dict[str, dict[str, Any]] = {}
+        self._asked: set[str] = set()  # the group names looked up in torch's registry
         self._seqs: dict[str, int] = {}
         self._last_new = 0.0  # when a new collective was last seen entered
         self._gap = 0.0
@@ -188,7 +185,8 @@ class Watcher:
             return
         status = _status(record.get("pg_status"))
         news: dict[str, Any] = {}
-        if set(status) - set(self._groups):
+        if set(status) - self._asked:
+            self._asked |= set(status)
             groups = _groups()
             if groups != self._groups:
                 self._groups = groups
