@@ -415,7 +415,6 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--hang-after",
-        "--hang_after",
         dest="hang_after",
         type=_seconds_or_off,
         default=30.0,
