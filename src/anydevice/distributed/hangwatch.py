@@ -326,7 +326,13 @@ class HangWatch:
             return
         with self._looking:  # what the ranks do now, before they are stopped
             now = self._clock()
-            states = {**self._remote, **self._read_local(now)}
+            before = dict(self._seen)
+            # A rank that ended since the last look ended of this signal (Ctrl-C reaches
+            # the workers too): as it was, not as gone.
+            states = {
+                r: replace(s, gone="") if s.gone and not before.get(r, s).gone else s
+                for r, s in {**self._remote, **self._read_local(now)}.items()
+            }
             if any(_waits(s, FINAL_AFTER) for s in states.values()):
                 with self._lock:
                     self._snapshot = (states, dict(self._groups))
