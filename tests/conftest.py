@@ -36,6 +36,8 @@ WORLDS = frozenset(
         "test_distributed_preemption.py",
         "test_distributed_sharing.py",
         "test_distributed_state.py",
+        "test_hangwatch.py",
+        "test_progress.py",
     }
 )
 

@@ -169,3 +169,21 @@ def test_a_forked_child_gets_its_own_and_leaves_the_parents(where: Path) -> None
     )
     out, _ = child.communicate(timeout=60)
     assert out.split() == ["True", "True"]
+
+
+def test_a_watcher_sets_the_time_entered_the_count_done_and_its_tick(where: Path) -> None:
+    beat = hb.Heartbeat.create()
+    try:
+        (fresh,) = hb.read_all(where)
+        assert fresh.watched == 0.0  # no watcher yet
+        beat.tick(now=1234.5)
+        beat.enter("all_reduce", 9, "0", fingerprint=5, entered=1000.0)
+        (inside,) = hb.read_all(where)
+        assert inside.watched == 1234.5
+        assert inside.collective is not None and inside.collective.entered == 1000.0
+        beat.leave(done=42)
+        beat.leave()
+        (out,) = hb.read_all(where)
+        assert out.collective is None and out.collectives_done == 43
+    finally:
+        beat.close()

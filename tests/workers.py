@@ -8,6 +8,7 @@ on any machine; the GPU paths have their own ``cuda`` tests.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -124,3 +125,16 @@ def hang_on_device(rank: int) -> None:
             time.sleep(600)
         ad.all_reduce(torch.ones(1, device=d.device))
         torch.cuda.synchronize()
+
+
+def killed_while_waited_for(rank: int, notes: str) -> None:
+    """Rank ``rank`` is killed (SIGKILL) while the others wait for it in an all_reduce;
+    each rank first writes the time to ``notes/hang<RANK>``."""
+    with ad.distributed(timeout=60, device="cpu") as d:
+        ad.all_reduce(torch.ones(1))
+        with open(os.path.join(notes, f"hang{d.rank}"), "w") as f:
+            f.write(repr(time.time()))
+        if d.rank == rank:
+            time.sleep(5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        ad.all_reduce(torch.ones(1))  # WAITED IN

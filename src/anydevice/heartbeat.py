@@ -35,8 +35,24 @@ change (the job, the devices, where a collective was called)::
     120  Q    collective sequence number          128 d entered (wall s)
     136  Q    collective fingerprint (op, shapes, dtypes)  144 Q collectives done
     152  16s  collective op          168 16s  collective group
-    184 .. 255 (unused)
+    184  d    watched (wall s, 0: no watcher): the last tick of the process's watcher
+              thread (:mod:`anydevice.distributed.progress`)
+    192 .. 255 (unused)
     256  I    text length           260 ..  JSON text (at most SIZE - 260 bytes)
+
+Keys of the JSON text that the collective watch (:mod:`anydevice.distributed.progress`)
+writes, each present only while it means something:
+
+* ``groups``: ``{group name: {"ranks": [global ranks], "desc": str}}``, the process
+  groups this process belongs to;
+* ``seqs``: ``{group name: sequence number}``, the last collective entered in each
+  (torch's own numbering, the same on every rank of the group);
+* ``gap``: the longest time, in seconds, between two successive collectives so far;
+* ``call``: the collective it is in, once it has lasted (``op``, ``seq``, ``group``,
+  ``shapes``, ``dtypes``, ``at`` file:line of the user's code, ``code`` that line's
+  text, ``stack``);
+* ``where``: where its main thread is while it is outside any collective (``at``,
+  ``code``, ``function``, ``stack``).
 
 Example::
 
@@ -93,6 +109,7 @@ _ENTER = struct.Struct("<IIQdQ")  # at 112: in, -, seq, entered, fingerprint
 _LEAVE = struct.Struct("<I")  # at 112
 _DONE = struct.Struct("<Q")  # at 144
 _NAMES = struct.Struct("<16s16s")  # at 152
+_WATCHED = struct.Struct("<d")  # at 184
 _TEXT_LEN = struct.Struct("<I")  # at 256
 _TEXT_AT = 260
 _RATE_WINDOW = 10.0  # seconds the steps-per-second average spans
@@ -135,6 +152,7 @@ class Beat:
     collectives_done: int
     details: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    watched: float = 0.0  # wall-clock seconds of the watcher's last tick; 0 when none
 
     def since_last_step(self, now: float | None = None) -> float:
         """Seconds since the last step (since the record was made, before the first)."""
@@ -257,25 +275,42 @@ class Heartbeat:
             _MEMORY.pack_into(self._mm, 80, allocated, reserved, peak, at)
             self._end()
 
-    def enter(self, op: str, seq: int, group: str = "", fingerprint: int = 0) -> None:
-        """Say this process entered collective ``op`` number ``seq`` of ``group``."""
+    def enter(
+        self,
+        op: str,
+        seq: int,
+        group: str = "",
+        fingerprint: int = 0,
+        entered: float | None = None,
+    ) -> None:
+        """Say this process entered collective ``op`` number ``seq`` of ``group`` (at
+        ``entered``, wall-clock seconds; default now)."""
         key = (op, group)
         names = self._names.get(key)
         if names is None:
             names = self._names[key] = _NAMES.pack(op.encode()[:16], group.encode()[:16])
+        at = time.time() if entered is None else entered
         with self._lock:
             self._begin()
-            _ENTER.pack_into(self._mm, 112, 1, 0, seq, time.time(), fingerprint)
+            _ENTER.pack_into(self._mm, 112, 1, 0, seq, at, fingerprint)
             self._mm[152:184] = names
             self._end()
 
-    def leave(self) -> None:
-        """Say the collective entered last has finished."""
+    def leave(self, done: int | None = None) -> None:
+        """Say the collective entered last has finished; ``done`` sets the count of
+        collectives done (default: one more)."""
         with self._lock:
-            self._done += 1
+            self._done = self._done + 1 if done is None else done
             self._begin()
             _LEAVE.pack_into(self._mm, 112, 0)
             _DONE.pack_into(self._mm, 144, self._done)
+            self._end()
+
+    def tick(self, now: float | None = None) -> None:
+        """Say the process's watcher thread is alive (``watched``, wall-clock seconds)."""
+        with self._lock:
+            self._begin()
+            _WATCHED.pack_into(self._mm, 184, time.time() if now is None else now)
             self._end()
 
     def describe(self, **details: Any) -> None:
@@ -413,6 +448,7 @@ def _decode(raw: bytes, path: Path) -> Beat | None:
     allocated, reserved, peak, mem_at = _MEMORY.unpack_from(raw, 80)
     inside, _, cseq, entered, fingerprint = _ENTER.unpack_from(raw, 112)
     (done,) = _DONE.unpack_from(raw, 144)
+    (watched,) = _WATCHED.unpack_from(raw, 184)
     op, group = (s.rstrip(b"\0").decode(errors="replace") for s in _NAMES.unpack_from(raw, 152))
     (n,) = _TEXT_LEN.unpack_from(raw, 256)
     try:
@@ -438,6 +474,7 @@ def _decode(raw: bytes, path: Path) -> Beat | None:
         collectives_done=done,
         details=details if isinstance(details, dict) else {},
         path=path,
+        watched=watched,
     )
 
 

@@ -117,6 +117,11 @@ def test_user_setting_of_the_store_variable_is_respected():
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in p.env
 
 
+def test_the_hang_watch_waits_30_s_by_default_and_0_turns_it_off():
+    assert plan(2, environ={}).hang_after == 30.0
+    assert plan(2, environ={}, hang_after=0).hang_after == 0.0
+
+
 def test_workers_share_the_cores_unless_omp_threads_is_set():
     assert plan(3, cores=12, environ={}).env["OMP_NUM_THREADS"] == "4"
     assert plan(4, cores=2, environ={}).env["OMP_NUM_THREADS"] == "1"
@@ -133,6 +138,8 @@ def test_workers_share_the_cores_unless_omp_threads_is_set():
         ({"start_method": "thread"}, "spawn"),
         ({"max_restarts": -1}, "max_restarts"),
         ({"timeout": 0}, "timeout"),
+        ({"hang_after": -1}, "hang_after=-1: give the seconds .* 0 turns the hang watch off"),
+        ({"hang_after": float("nan")}, "hang_after=nan"),
     ],
 )
 def test_plan_rejects_bad_arguments_with_the_fix(kwargs, match):

@@ -8,6 +8,7 @@ or a silently different answer.
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -89,3 +90,38 @@ def test_process_groups_lists_the_default_group_and_the_ones_made_from_it(tmp_pa
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_flight_record_counts_each_groups_collectives_and_names_the_last(tmp_path) -> None:
+    # In a child: a real one-rank gloo world with a subgroup; again with the recorder off.
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from anydevice.hardware.backends.torch_private import flight_record\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, "
+        "world_size=1)\n"
+        "sub = dist.new_group([0])\n"
+        "t = torch.ones(3, dtype=torch.float64)\n"
+        "dist.all_reduce(t); dist.all_reduce(t); dist.broadcast(t, 0, group=sub)\n"
+        "status = flight_record(entries=False)['pg_status']\n"
+        "print(sorted((k, v['last_enqueued_collective']) for k, v in status.items()))\n"
+        "entries = flight_record(entries=True)['entries']\n"
+        "last = entries[-1] if entries else {}\n"
+        "print(last.get('profiling_name'), last.get('collective_seq_id'), "
+        "last.get('input_sizes'), last.get('input_dtypes'), 'frames' in last)\n"
+        "dist.destroy_process_group()\n"
+    )
+    for buffer, expected in (
+        ("2000", ["[('0', 2), ('1', 1)]", "gloo:broadcast 1 [[3]] ['Double'] False"]),
+        ("0", ["[]", "None None None None False"]),
+    ):
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": buffer}
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            env=env,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == expected, buffer

@@ -81,6 +81,28 @@ TRAIN = textwrap.dedent(
 )
 
 
+#: Rank 0 runs a 4th all_reduce while rank 1 runs a broadcast: the hang watch stops the
+#: job with one verdict, printed by one host.
+MISMATCH = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+
+    import anydevice as ad
+
+    if __name__ == "__main__":
+        with ad.distributed(timeout=300) as d:
+            t = torch.ones(4)
+            for _ in range(3):
+                dist.all_reduce(t)
+            if d.rank == 0:
+                dist.all_reduce(t)  # RANK 0
+            else:
+                dist.broadcast(t, 0)  # RANK 1
+    """
+)
+
+
 def one_host_weights() -> dict[str, torch.Tensor]:
     """The same steps on the whole batch in this process: what DDP must reach."""
     torch.manual_seed(0)
@@ -186,11 +208,13 @@ def _launch_both(
     extra: tuple[list[str], list[str]] = ([], []),
     timeout: int = 60,
     expect: int = 0,
+    source: str = TRAIN,
 ) -> tuple[list[str], Path]:
-    """``anydevice launch`` on both hosts (``extra``: each one's further options); their
-    outputs, once both ended with ``expect``, and where rank 0 saves the weights."""
+    """``anydevice launch`` on both hosts (``extra``: each one's further options) of
+    ``source``; their outputs, once both ended with ``expect``, and where rank 0 saves the
+    weights."""
     script = tmp_path / "train.py"
-    script.write_text(TRAIN)
+    script.write_text(source)
     out = tmp_path / "weights.pt"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
@@ -332,3 +356,33 @@ def test_ddp_across_two_hosts_with_restarts(distinct_hostnames: Hosts, tmp_path:
     restarts = ["--max-restarts", "1"]
     outputs, out = _launch_both(distinct_hostnames, tmp_path, extra=(restarts, restarts))
     _check(distinct_hostnames, outputs, out, restarts=True)
+
+
+def test_a_mismatched_collective_across_two_hosts_stops_both_with_one_verdict(
+    distinct_hostnames: Hosts, tmp_path: Path
+) -> None:
+    """Rank 0 (one host) runs all_reduce #4 while rank 1 (the other) runs broadcast #4:
+    each host's launcher sees its own rank wait, the two share their states through the
+    rendezvous store, and one of them prints the verdict naming both lines; both stop,
+    exit 1, well within 60 s of the hang (not gloo's 30 minutes)."""
+    start = time.monotonic()
+    extra = ["--hang-after", "5"]
+    outputs, _ = _launch_both(
+        distinct_hostnames, tmp_path, extra=(extra, extra), timeout=60, expect=1, source=MISMATCH
+    )
+    took = time.monotonic() - start
+    script = "train.py"  # the launches run in tmp_path: paths are shown relative to it
+    lines = MISMATCH.splitlines()
+    a = 1 + next(i for i, line in enumerate(lines) if line.endswith("# RANK 0"))
+    b = 1 + next(i for i, line in enumerate(lines) if line.endswith("# RANK 1"))
+    verdict = (
+        f"rank 1 runs broadcast #4 at {script}:{b} while rank 0 runs all_reduce #4 at "
+        f"{script}:{a}: the ranks call different collectives. The job was stopped"
+    )
+    said = [text for text in outputs if verdict in text]
+    assert len(said) == 1, outputs  # printed once, by one host
+    other = next(text for text in outputs if text is not said[0])
+    assert "The job was stopped by the hang watch of node" in other, other
+    assert "rank 0: in all_reduce #4 on float32[4]" in said[0]
+    assert "rank 1: in broadcast #4 on float32[4]" in said[0]
+    assert took < 150, took  # two launches' start on a shared machine, then seconds

@@ -180,6 +180,18 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _seconds_or_off(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds (0 or more; 0 turns the hang watch off)"
+        )
+    return value
+
+
 def _percent(text: str) -> float:
     try:
         value = float(text.rstrip("%"))
@@ -417,6 +429,17 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "(default 30)",
     )
     p.add_argument(
+        "--hang-after",
+        dest="hang_after",
+        type=_seconds_or_off,
+        default=30.0,
+        metavar="S",
+        help="seconds a rank may wait in one collective before the launch says which rank "
+        "is where and why the job makes no progress (at least twice the longest gap "
+        "between collectives seen); ranks that call different collectives stop the job "
+        "at once; 0 turns the watch off (default 30)",
+    )
+    p.add_argument(
         "--log-dir",
         "--log_dir",
         dest="log_dir",
@@ -611,6 +634,7 @@ def _launch(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             timeout=args.timeout,
             grace=args.grace,
+            hang_after=args.hang_after,
             log_dir=args.log_dir,
             verbose=args.verbose,
             local_addr=args.local_addr,

@@ -5,6 +5,12 @@
 * :mod:`~anydevice.distributed.agent` — torch's agent run for a launch, under faults.
 * :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
+* :mod:`~anydevice.distributed.hangwatch` — the launcher's hang watch: every rank's state,
+  one verdict when the job makes no progress.
+* :mod:`~anydevice.distributed.verdict` — the verdict's rules (mismatch, deadlock, gone,
+  stall), pure.
+* :mod:`~anydevice.distributed.progress` — a rank's side: the collective it is in, from
+  torch's flight recorder, published in its heartbeat.
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
 * :mod:`~anydevice.distributed.parallel` — ``prepare()`` / ``unwrap()``: DDP, DP, samplers.

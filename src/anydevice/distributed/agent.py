@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from anydevice.distributed import addressing, reaper, rendezvous
 from anydevice.distributed.failures import preempted, preemption, worker_failed
+from anydevice.distributed.hangwatch import HangWatch
 from anydevice.distributed.rendezvous import LOOPBACK
 from anydevice.errors import DistributedError, DistributedTimeoutError
 
@@ -128,6 +129,7 @@ def run_agent(
                 shutdown_timeout=_STOP_GRACE,
                 grace=chosen.grace,
                 timeout=timeout,
+                watch=HangWatch(chosen.hang_after, launch_dir=private),
             )
             result = agent.run()
         except SignalException as e:
@@ -154,8 +156,15 @@ def run_agent(
             report = preempted(agent.records())
             if report is not None:
                 raise Preempted(*report)
+            if agent.watch.stopped is not None or agent.watch.stopped_by:
+                raise agent.watch.stopped_error(result)
+            codes = {int(r): f.exitcode for r, f in result.failures.items()}
             raise worker_failed(
-                result, nprocs=chosen.nproc_per_node, launch_dir=private, keep=log_dir
+                result,
+                nprocs=chosen.nproc_per_node,
+                launch_dir=private,
+                keep=log_dir,
+                hang=agent.watch.at_failure(codes),
             )
         return dict(sorted(result.return_values.items()))
 
@@ -301,10 +310,13 @@ def _agent_type() -> type[Any]:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     class GracefulAgent(LocalElasticAgent):
-        def __init__(self, *args: Any, grace: float, timeout: float, **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, grace: float, timeout: float, watch: HangWatch, **kwargs: Any
+        ) -> None:
             super().__init__(*args, **kwargs)
             self.grace = grace
             self.timeout = timeout
+            self.watch = watch  #: the hang watch of this node's workers
             self.signalled: signal.Signals | None = None
             self.took: float | None = None  #: seconds from the signal to the workers' exit
 
@@ -323,6 +335,9 @@ def _agent_type() -> type[Any]:
             where, within ``timeout``, rather than its workers waiting out
             ``init_process_group``'s (30 minutes by default)."""
             super()._rendezvous(worker_group)
+            self.watch.join(
+                worker_group.store, worker_group.group_rank, worker_group.group_world_size
+            )
             if worker_group.group_world_size < 2:
                 return
             handler = worker_group.spec.rdzv_handler
@@ -343,11 +358,26 @@ def _agent_type() -> type[Any]:
                 raise RendezvousConnectionError(str(e)) from e
 
         def _invoke_run(self, role: str = DEFAULT_ROLE) -> Any:
+            self.watch.start(self._pids)
             try:
                 return super()._invoke_run(role)
             except SignalException as e:
                 self.signalled = e.sigval
+                self.watch.at_stop(e.sigval)
                 raise
+            finally:
+                self.watch.stop()
+
+        def _pids(self) -> dict[int, int]:
+            """Each worker's pid, by global rank (none before they start)."""
+            workers = self._worker_group.workers
+            return {w.global_rank: w.id for w in workers if isinstance(w.id, int)}
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if self.watch.stopped is not None or self.watch.stopped_by:
+                self._remaining_restarts = 0  # a mismatch comes back on every restart
+            return result
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             preempting = any(preemption(p) for p in self.records().values())

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from anydevice.distributed import accumulation, environment, preemption
+from anydevice.distributed import accumulation, environment, preemption, progress
 from anydevice.distributed.accumulation import Accumulation
 from anydevice.distributed.environment import World
 from anydevice.distributed.preemption import Preemption
@@ -237,6 +237,7 @@ def distributed(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_current_device(dev))
         _init(world, name, dev, timeout, init_method)
+        progress.watch()  # its collectives, for the launcher's hang watch and `top`
         ended = _Ending()
         stack.callback(lambda: _teardown(keep=ended.agreed))
         stack.enter_context(ended)  # left first: says how the block ended to the teardown

@@ -72,6 +72,7 @@ class LaunchPlan:
     local_addr: str | None
     env: dict[str, str] = field(default_factory=dict)  #: set in the launcher for the run
     grace: float = 30.0  #: seconds the workers get to exit after a signal to the launcher
+    hang_after: float = 30.0  #: seconds in one collective before the hang watch judges; 0: off
 
     @property
     def standalone(self) -> bool:
@@ -105,6 +106,7 @@ def launch(
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
     local_addr: str | None = None,
+    hang_after: float = 30.0,
 ) -> dict[int, T]:
     """Run ``fn(*args)`` in one process per device and return what each rank returned.
 
@@ -157,6 +159,10 @@ def launch(
         local_addr: with several nodes, the address of this node the others reach (the
             workers' ``MASTER_ADDR`` where it hosts; gloo and NCCL listen on its
             interface). Default: the source address of the route to ``rdzv_endpoint``.
+        hang_after: seconds a rank may wait in one collective before the launch says why
+            the job makes no progress (which rank is where, and what holds it: see
+            docs/hangs.md); at least twice the longest gap between collectives seen. Ranks
+            that call different collectives stop the job at once. 0 turns the watch off.
 
     Returns:
         ``{global_rank: return value}`` for the workers this call ran, in rank order. On one
@@ -167,7 +173,9 @@ def launch(
     Raises:
         WorkerFailedError: a worker failed; the message names the rank that caused it
             and carries its traceback, or names the ranks that never arrived where the
-            others timed out waiting, with their stacks. The other workers are stopped.
+            others timed out waiting, with their stacks, and what the hang watch saw. The
+            other workers are stopped. Also when the ranks call different collectives
+            (the hang watch stops the job; exit code 1).
         DistributedTimeoutError: not all nodes joined within ``timeout``, or the
             rendezvous endpoint could not be reached within it.
         KeyboardInterrupt: SIGINT (Ctrl-C) reached the launcher; the workers were stopped.
@@ -201,6 +209,7 @@ def launch(
         timeout,
         grace,
         local_addr,
+        hang_after=hang_after,
     )
     _check_sendable(fn, args, start_method)
     try:
@@ -227,6 +236,7 @@ def launch_script(
     log_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
     local_addr: str | None = None,
+    hang_after: float = 30.0,
 ) -> int:
     """``anydevice launch``: run a script (or ``-m`` module) in one process per device.
 
@@ -262,6 +272,7 @@ def launch_script(
         timeout,
         grace,
         local_addr,
+        hang_after=hang_after,
     )
     head = ["-u", "-m", "anydevice.distributed.runner", *(["-m"] if module else [])]
     run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir, verbose=verbose)
@@ -314,6 +325,7 @@ def plan(
     grace: float = 30.0,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
+    hang_after: float = 30.0,
 ) -> LaunchPlan:
     """The agent's configuration for these arguments (pure; ``environ`` defaults to
     ``os.environ``, ``cores`` is the number of usable CPU cores).
@@ -342,6 +354,12 @@ def plan(
         raise DistributedError(
             f"grace={grace!r}: give the seconds the workers may take to exit after a signal, "
             "0 or more (default 30)."
+        )
+    if not 0 <= hang_after < float("inf"):
+        raise DistributedError(
+            f"hang_after={hang_after!r}: give the seconds a rank may wait in one collective "
+            "before the launch says why the job makes no progress, 0 or more (default 30; "
+            "0 turns the hang watch off)."
         )
     configs: dict[str, Any] = {"join_timeout": int(max(1, round(timeout)))}
     local_addr: str | None
@@ -385,6 +403,7 @@ def plan(
         local_addr=local_addr,
         env=extra,
         grace=float(grace),
+        hang_after=float(hang_after),
     )
 
 
@@ -400,6 +419,8 @@ def _plan_here(
     timeout: float,
     grace: float = 30.0,
     local_addr: str | None = None,
+    *,
+    hang_after: float = 30.0,
 ) -> LaunchPlan:
     if world.launcher == "slurm":  # one task per node: SLURM says where the nodes meet
         nnodes, node_rank = world.nnodes, world.node_rank
@@ -417,6 +438,7 @@ def _plan_here(
         timeout=timeout,
         grace=grace,
         cores=inv.host.cores_usable,
+        hang_after=hang_after,
     )
     return addressing.settle(chosen, local_addr)
 

@@ -235,12 +235,14 @@ def worker_failed(
     nprocs: int,
     launch_dir: str | os.PathLike[str] | None = None,
     keep: object = None,
+    hang: list[str] | None = None,
 ) -> WorkerFailedError:
     """A :class:`WorkerFailedError` from the agent's failures (``err.failures``, rank ->
     torch ``ProcessFailure``): the root cause with its traceback, the ranks that never
     arrived with their stacks, and the other ranks that failed. ``nprocs`` is the number
     of local ranks, ``launch_dir`` where they dumped their stacks, ``keep`` the log
-    directory kept for the user, if any."""
+    directory kept for the user, if any, ``hang`` the hang watch's lines on what held
+    the ranks (:meth:`~anydevice.distributed.hangwatch.HangWatch.at_failure`)."""
     failures = _failures(err, nprocs, launch_dir)
     stopped = {f.local_rank for f in failures if not (f.trace or f.message or f.own)}
     stuck = _stuck(err, nprocs, launch_dir, {f.local_rank for f in failures} - stopped)
@@ -267,6 +269,7 @@ def worker_failed(
         others = []  # named above, as the ranks that waited
     if others:
         lines += ["", f"Also failed after it: rank(s) {', '.join(map(str, others))}."]
+    lines += hang or []
     if launch_dir is not None:
         lines += flight_summary(Path(launch_dir) / "flight")
     lines += [

@@ -70,6 +70,9 @@ def worker() -> Iterator[None]:
         _keep_inherited_pipes()
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
+        from anydevice.distributed import progress
+
+        progress.watch(os.environ[LAUNCH_DIR])  # the hang watch's side in this rank
     try:
         yield
     except (Exception, KeyboardInterrupt) as e:

@@ -18,6 +18,7 @@ __all__ = [
     "NAMES",
     "cudnn_allow_tf32",
     "cudnn_binding",
+    "flight_record",
     "fp32_precision",
     "has_fp32_precision_tree",
     "host_empty_cache",
@@ -43,6 +44,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "_snapshot": ("torch.cuda.memory", "all"),
     "trace_plot": ("torch.cuda._memory_viz", "all"),
     "_world": ("torch.distributed.distributed_c10d", "all"),
+    "_dump_fr_trace": ("torch._C._distributed_c10d", "all"),  # gloo records too: torch >= 2.10
 }
 
 
@@ -137,3 +139,33 @@ def process_groups() -> list[Any]:
     if default is not None and default not in groups:
         groups.insert(0, default)
     return groups
+
+
+def flight_record(*, entries: bool) -> dict[str, Any] | None:
+    """What torch's flight recorder holds for this process (``_dump_fr_trace``), or None
+    where this torch has none, or it is off (``TORCH_FR_BUFFER_SIZE=0``).
+
+    ``pg_status`` maps each process group's name to its ``last_enqueued_collective`` and
+    ``last_completed_collective`` (torch's sequence numbers, the same on every rank of
+    the group): a few microseconds to read. With ``entries``, also the last collectives
+    recorded (``entries``: op as ``profiling_name``, ``collective_seq_id``,
+    ``process_group``, ``input_sizes``, ``input_dtypes``, ``time_created_ns``, ...):
+    tens of milliseconds for torch's default 2000. Never their stacks: torch symbolises
+    them on the first such dump for seconds (8.7 s measured on torch 2.13), holding the
+    GIL.
+    """
+    import pickle
+
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:  # a torch built without distributed
+        return None
+    dump = getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    try:
+        raw = dump(entries, False, not entries)
+        found = pickle.loads(raw)  # torch's own pickle of plain values, made in this process
+    except Exception:  # the recorder torn down while the process ends
+        return None
+    return found if isinstance(found, dict) else None
