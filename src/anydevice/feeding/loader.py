@@ -73,6 +73,7 @@ from anydevice.feeding.copies import Copier, copier_for
 from anydevice.feeding.resume import sampler_generator, skip_at_sampler
 from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
+from anydevice.hardware import pulse
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
@@ -440,6 +441,7 @@ class DeviceLoader(Generic[T]):
                 if batch is _END:
                     self._end_epoch()
                     return
+                pulse.tick("batch", self.device)  # this process's heartbeat: anydevice top
                 yield batch
         finally:
             run.close()
