@@ -4,6 +4,8 @@ Modules:
 
 * :mod:`~anydevice.cli.commands`: the parser and the commands ``info``, ``top``,
   ``select``, ``doctor`` and ``launch``; :func:`main` runs one.
+* :mod:`~anydevice.cli.top`: ``anydevice top``'s arguments, output and live keys.
+* :mod:`~anydevice.cli.suggest`: the flag an unknown word may have meant.
 """
 
 from anydevice.cli.commands import main
