@@ -22,6 +22,8 @@ def run(code: str, where: Path, **env: str) -> dict:
         """
         import json as _json, dataclasses as _dc
         from anydevice import heartbeat as _hb
+        from anydevice.hardware import pulse as _pulse
+        _pulse.flush()  # the steps counted since the last write (written every 0.1 s)
         _b = _hb.read_file(_hb.mine().path)
         print(_json.dumps({k: v for k, v in _dc.asdict(_b).items() if k != "path"},
                           default=str))
@@ -143,3 +145,16 @@ def test_publishing_off_makes_no_record_and_costs_a_check(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True"] and heartbeat.read_all(tmp_path) == []
+
+
+def test_steps_written_a_few_at_a_time_count_each_and_their_rate(tmp_path):
+    """``Heartbeat.step(count=k)``: what pulse writes every 0.1 s."""
+    beat = heartbeat.Heartbeat.create(where=tmp_path)
+    try:
+        beat.step(now=1000.0)
+        beat.step(now=1001.0, count=10)  # ten steps in the second since the first
+        got = heartbeat.read_file(beat.path)
+        assert got is not None and got.steps == 11 and got.last_step == 1001.0
+        assert got.steps_per_second == 10.0
+    finally:
+        beat.close()

@@ -16,10 +16,12 @@ only: an optimizer step, once one is seen, else a batch; of two step points of o
 the first that ticks owns the count (``p.step`` and ``Throughput.step`` in one loop count
 once). The record's ``step_unit`` says which it is.
 
-Why it costs nothing that matters per step: a tick is a time stamp, a comparison and the
-heartbeat's ``step`` (a seqlock write into shared memory); the allocator's counters are
-read through the device's backend (``Backend.memory``: torch's device-generic API) only
-when a second has passed since the last reading. ``benchmarks/bench_heartbeat.py`` times it.
+Why it costs nothing that matters per step: a tick adds one to a count and reads the
+clock; the count goes to the heartbeat (a seqlock write into shared memory, about a
+microsecond) at most every :data:`PUBLISH_EVERY_S` (the newest steps are that much late
+in the record, far below a stall's 5 s), and the allocator's counters are read through the
+device's backend (``Backend.memory``: torch's device-generic API) at most every
+:data:`MEMORY_EVERY_S`. ``benchmarks/bench_heartbeat.py`` times it.
 A device whose memory is the host's (the CPU) publishes none: ``anydevice top`` reads the
 process's resident set itself. Publishing is off with ``ANYDEVICE_HEARTBEAT=0``.
 
@@ -42,10 +44,12 @@ from anydevice import heartbeat
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MEMORY_EVERY_S", "SOURCES", "identify", "tick"]
+__all__ = ["MEMORY_EVERY_S", "PUBLISH_EVERY_S", "SOURCES", "flush", "identify", "tick"]
 
 #: Seconds between two readings of a device's allocator counters.
 MEMORY_EVERY_S = 1.0
+#: Seconds between two writes of the step count into the record (a tick in between counts).
+PUBLISH_EVERY_S = 0.1
 
 #: The step points, by how surely one of their ticks is one training step.
 SOURCES: dict[str, int] = {"batch": 0, "optimizer": 1, "meter": 1}
@@ -58,6 +62,8 @@ class _State:
         self.beat: heartbeat.Heartbeat | None = None
         self.off = False
         self.owner: str | None = None  # the source whose ticks are counted
+        self.pending = 0  # steps counted, not yet written into the record
+        self.due = 0.0  # when the next write may happen (wall seconds)
         self.next_memory = 0.0
         self.devices: list[str] = []
         self.unreadable: set[str] = set()  # devices whose backend keeps no counters
@@ -80,18 +86,49 @@ def tick(source: str, device: torch.device | None = None) -> None:
     """One step of ``source`` (a key of :data:`SOURCES`) on ``device``, whose allocator's
     counters are published at most once every :data:`MEMORY_EVERY_S` seconds."""
     s = _state
-    if s.off:
+    if source == s.owner or _take(s, source):
+        s.pending += 1
+    elif s.off:
         return
+    now = time.time()
+    if now >= s.due:
+        _publish(s, now, device)
+
+
+def flush() -> None:
+    """Write the steps counted since the last write now (they would be written at the
+    next tick :data:`PUBLISH_EVERY_S` after the last write)."""
+    s = _state
+    if s.pending and not s.off:
+        _publish(s, time.time(), None)
+
+
+def _take(s: _State, source: str) -> bool:
+    """Whether ``source`` counts the steps now: the first to tick, or one surer than the
+    source that counted so far (an optimizer step over a batch)."""
+    if s.off or (s.owner is not None and SOURCES[source] <= SOURCES[s.owner]):
+        return False
+    beat = s.beat or _start(s)
+    if beat is None:
+        return False
+    with s.lock:
+        pending, s.pending, s.owner = s.pending, 0, source
+    if pending:  # the steps of the source counted so far are kept
+        beat.step(count=pending)
+    beat.describe(step_unit=source)
+    return True
+
+
+def _publish(s: _State, now: float, device: torch.device | None) -> None:
+    """Write the steps counted since the last write, and, when due, the device's memory."""
     beat = s.beat or _start(s)
     if beat is None:
         return
-    now = time.time()
-    if s.owner != source and (s.owner is None or SOURCES[source] > SOURCES[s.owner]):
-        with s.lock:
-            s.owner = source
-        beat.describe(step_unit=source)
-    if s.owner == source:
-        beat.step(now)
+    s.due = now + PUBLISH_EVERY_S
+    with s.lock:
+        pending, s.pending = s.pending, 0
+    if pending:
+        beat.step(now, count=pending)
     if device is not None and now >= s.next_memory:
         s.next_memory = now + MEMORY_EVERY_S
         _publish_memory(s, beat, device, now)
