@@ -225,7 +225,7 @@ def test_a_reading_filters_by_rank_job_and_device():
 
 
 def test_the_view_says_there_is_no_gpu_and_what_was_left_behind():
-    from anydevice.hardware.jobs import Leftover
+    from anydevice.hardware.leftovers import Leftover
 
     gone = Leftover("record", 99, "pid 99 (rank 1 of job j) ended without closing its heartbeat")
     console = Console(record=True, width=160)

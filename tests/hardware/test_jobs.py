@@ -10,6 +10,7 @@ import pytest
 
 from anydevice.hardware import jobs
 from anydevice.hardware.facts import DeviceReading, DeviceUse
+from anydevice.hardware.leftovers import leftovers
 from anydevice.hardware.processes import Launch, ProcessSample
 from anydevice.heartbeat import Beat, Collective
 
@@ -73,9 +74,21 @@ def job_env(rank: int, world: int = 2, **more: str) -> dict[str, str]:
     }
 
 
-def view(samples, beats=(), devices=(), **kw) -> jobs.TorchView:
+@dataclasses.dataclass
+class View:
+    processes: tuple
+    jobs: tuple
+    devices: tuple
+    notes: tuple
+    leftovers: tuple
+
+
+def view(samples, beats=(), devices=(), **kw) -> View:
+    """What a reading makes of these parts: the jobs' view, and the leftovers."""
     by_pid = {s.pid: s for s in samples}
-    return jobs.assemble(by_pid, {}, list(beats), list(devices), now=NOW, host="box", **kw)
+    v = jobs.assemble(by_pid, {}, list(beats), list(devices), now=NOW, host="box", **kw)
+    left = leftovers(list(beats), by_pid, list(devices), v.processes, now=NOW, **kw)
+    return View(v.processes, v.jobs, v.devices, v.notes, tuple(left))
 
 
 # ----------------------------------------------------------------------------- stalls

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prune:
         _prune()
     count = 1 if args.once else args.count
-    watcher = Watcher()
+    watcher = Watcher()  # the first CPU interval starts: what follows is done within it
     if args.json:
         return _json_lines(watcher, args, count)
     from rich.console import Console

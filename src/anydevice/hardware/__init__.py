@@ -22,7 +22,8 @@ Modules:
   points (steps; the device allocator's counters once a second).
 * :mod:`~anydevice.hardware.processes`: the processes of this machine from ``/proc``: which
   run torch, their launcher's variables, CPU, memory, PID namespaces.
-* :mod:`~anydevice.hardware.jobs`: processes as jobs and ranks, stalls, leftovers (pure).
+* :mod:`~anydevice.hardware.jobs`: processes as jobs and ranks, and which stalled (pure).
+* :mod:`~anydevice.hardware.leftovers`: what ended processes left behind (pure).
 * :mod:`~anydevice.hardware.gpuwatch`: ``anydevice top``'s readings: the host, every
   accelerator, the torch processes and their heartbeats; the JSON schema.
 * :mod:`~anydevice.hardware.topview`: ``anydevice top``'s screen: tables, sparklines, order.

@@ -4,7 +4,8 @@ No torch, no CUDA context: the accelerators through their vendors' readers
 (:mod:`anydevice.hardware.backends.watch`), the processes from ``/proc``
 (:mod:`anydevice.hardware.processes`), and what torch processes publish in their heartbeats
 (:mod:`anydevice.heartbeat`), read, never written, so watching disturbs nothing it watches.
-:mod:`anydevice.hardware.jobs` turns them into ranks, jobs, stalls and leftovers.
+:mod:`anydevice.hardware.jobs` turns them into ranks, jobs and stalls,
+:mod:`anydevice.hardware.leftovers` finds what ended processes left.
 
 The JSON form of a :class:`Reading` (schema ``anydevice.top/2``, docs/top.md) is one
 record per interval: memory in bytes, power in watts, temperature in degrees Celsius,
@@ -19,13 +20,20 @@ import platform
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from anydevice import heartbeat
 from anydevice.hardware import processes
-from anydevice.hardware.facts import DeviceReading
-from anydevice.hardware.jobs import JobReading, Leftover, ProcessReading, assemble
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from anydevice.hardware.facts import DeviceReading
+    from anydevice.hardware.jobs import JobReading, ProcessReading
+    from anydevice.hardware.leftovers import Leftover
+    from anydevice.heartbeat import Beat
+
+# What ``--once`` waits for (a CPU share needs an interval) is spent importing and reading:
+# the modules for the readings are imported after the interval has begun (Watcher.read).
 
 __all__ = ["SCHEMA", "HostReading", "Reading", "Watcher", "heartbeat_folders"]
 
@@ -132,6 +140,8 @@ def _device_matches(d: DeviceReading, spec: str) -> bool:
 def heartbeat_folders() -> list[Path]:
     """Where heartbeats are: ``ANYDEVICE_HEARTBEAT_DIR`` alone where set, else this user's
     folder and every other user's this process may read (root reads them all)."""
+    from anydevice import heartbeat
+
     mine = heartbeat.folder()
     if os.environ.get("ANYDEVICE_HEARTBEAT_DIR"):
         return [mine]
@@ -175,23 +185,25 @@ class Watcher:
         devices: Any | None = None,
         folders: list[Path] | None = None,
     ) -> None:
-        import psutil
-
-        from anydevice.hardware.backends.watch import DeviceWatch
-
-        self._psutil = psutil
-        self._clock = clock
-        self._devices = devices if devices is not None else DeviceWatch(environ)
-        self._folders = folders
-        self._reader = processes.ProcessReader()
         self._primed_at = time.monotonic()
-        psutil.cpu_percent(interval=None)  # starts the first interval
+        self._cpu = self._host_cpu()  # starts the first interval
+        self._reader = processes.ProcessReader()
         self._last = self._reader.scan().samples  # the first CPU shares start here
+        self._clock = clock
+        self._folders = folders
+        if devices is None:
+            from anydevice.hardware.backends.watch import DeviceWatch
+
+            devices = DeviceWatch(environ)
+        self._devices = devices
         self._devices.prime()
         self._sees_host_pids = processes.in_initial_pid_namespace()
 
     def read(self) -> Reading:
         """Read the host, the accelerators and the processes now."""
+        from anydevice.hardware.jobs import assemble
+        from anydevice.hardware.leftovers import leftovers
+
         devices, notes = self._devices.read()
         wait = self.FIRST_SAMPLE_S - (time.monotonic() - self._primed_at)
         if wait > 0:
@@ -217,35 +229,66 @@ class Watcher:
             host=host.hostname,
             sees_host_pids=self._sees_host_pids,
         )
+        left = leftovers(
+            beats,
+            scan.samples,
+            devices,
+            view.processes,
+            now=now,
+            sees_host_pids=self._sees_host_pids,
+        )
         return Reading(
             time=now,
             host=host,
             devices=(*devices, *view.devices),
             processes=view.processes,
             jobs=view.jobs,
-            leftovers=view.leftovers,
+            leftovers=tuple(left),
             notes=(*notes, *view.notes),
             skipped={"vanished": scan.vanished, "unreadable": scan.unreadable},
         )
 
-    def _beats(self) -> list[heartbeat.Beat]:
+    def _beats(self) -> list[Beat]:
+        from anydevice import heartbeat
+
         found = []
         for place in self._folders if self._folders is not None else heartbeat_folders():
             found.extend(heartbeat.read_all(place, prune=False))  # read-only: others' records
         return found
 
+    def _host_cpu(self) -> tuple[int, int] | float:
+        """The host's CPU times now (``/proc/stat``); elsewhere psutil's share since the
+        last call."""
+        times = processes.host_cpu_times() if processes.PROC else None
+        if times is not None:
+            return times
+        import psutil
+
+        return float(psutil.cpu_percent(interval=None))
+
     def _host(self) -> HostReading:
-        ps = self._psutil
-        vm = ps.virtual_memory()
+        now = self._host_cpu()
+        before, self._cpu = self._cpu, now
+        if isinstance(now, tuple) and isinstance(before, tuple):
+            busy, total = now[0] - before[0], now[1] - before[1]
+            share = 100.0 * busy / total if total > 0 else 0.0
+        else:
+            share = float(now) if not isinstance(now, tuple) else 0.0
+        memory = processes.host_memory() if processes.PROC else None
+        if memory is None:
+            import psutil
+
+            vm = psutil.virtual_memory()
+            memory = int(vm.total), int(vm.available)
         try:
             load: tuple[float, float, float] | None = os.getloadavg()
         except (AttributeError, OSError):  # Windows has no load average
             load = None
         return HostReading(
             hostname=platform.node(),
-            cpu_percent=float(ps.cpu_percent(interval=None)),
+            cpu_percent=max(0.0, min(100.0, share)),
             cores=os.cpu_count() or 1,
             load=load,
-            memory_total=int(vm.total),
-            memory_available=int(vm.available),
+            memory_total=memory[0],
+            memory_available=memory[1],
         )

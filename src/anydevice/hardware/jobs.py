@@ -15,9 +15,8 @@ Rules, each in one function:
   an anydevice launch's directory, else torchelastic's run id with rank 0's address, else
   the SLURM job. The ranks a job's world has that are not on this machine are said to be on
   other nodes, out of reach from here (heartbeats live in each machine's shared memory).
-* **Leftovers** (:func:`leftovers`): a heartbeat whose process is gone (killed: a process
-  that exits normally removes its own); device memory held by a pid that no longer exists
-  (where this process sees the host's pids); a rank whose launcher is gone.
+
+What ended processes left behind is :mod:`anydevice.hardware.leftovers`'.
 """
 
 from __future__ import annotations
@@ -36,15 +35,17 @@ __all__ = [
     "STALL_FLOOR_S",
     "STALL_STEPS",
     "JobReading",
-    "Leftover",
     "ProcessReading",
     "Progress",
     "TorchView",
     "assemble",
+    "beat_launch",
+    "job_id",
     "job_key",
     "judge",
     "short_id",
     "stall_after",
+    "wrote",
 ]
 
 #: A rank is stalled after at least this many seconds without a step...
@@ -144,31 +145,11 @@ class JobReading:
 
 
 @dataclass(frozen=True)
-class Leftover:
-    """Something a process left behind: what, whose, how much."""
-
-    kind: str  #: record (a dead process's heartbeat), memory (device memory), orphan (rank)
-    pid: int
-    what: str  #: a sentence for people
-    memory: int | None = None
-    device: str | None = None
-    rank: int | None = None
-    job: str | None = None
-    path: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types."""
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
 class TorchView:
-    """The processes, jobs and leftovers of one reading, and the devices known only from
-    heartbeats."""
+    """The processes and jobs of one reading, and the devices known only from heartbeats."""
 
     processes: tuple[ProcessReading, ...]
     jobs: tuple[JobReading, ...]
-    leftovers: tuple[Leftover, ...]
     devices: tuple[DeviceReading, ...]  #: devices only heartbeats name (simulator, ...)
     notes: tuple[str, ...] = ()
 
@@ -242,7 +223,7 @@ def short_id(job: str | None) -> str:
     return job
 
 
-def _job_id(launch: Launch) -> str:
+def job_id(launch: Launch) -> str:
     if launch.run_id and launch.run_id != "none":
         return launch.run_id
     if launch.slurm_job:
@@ -252,7 +233,7 @@ def _job_id(launch: Launch) -> str:
     return launch.master or "?"
 
 
-def _beat_launch(beat: Beat) -> Launch:
+def beat_launch(beat: Beat) -> Launch:
     d = beat.details
 
     def num(value: Any) -> int | None:
@@ -327,7 +308,7 @@ def assemble(
     host: str,
     sees_host_pids: bool | None = True,
 ) -> TorchView:
-    """The processes worth listing, their jobs and the leftovers, from one reading's parts.
+    """The processes worth listing and their jobs, from one reading's parts.
 
     Args:
         samples: the processes, by pid (deep-read where they may run torch).
@@ -339,7 +320,7 @@ def assemble(
         sees_host_pids: this process sees the host's pids (not in a container's PID
             namespace); None: unknown. Device memory of a pid not found is an orphan only then.
     """
-    alive = {b.pid: b for b in beats if _alive(b, samples)}
+    alive = {b.pid: b for b in beats if wrote(b, samples)}
     usage: dict[int, list[tuple[DeviceReading, DeviceUse]]] = {}
     for d in devices:
         for u in d.processes or ():
@@ -350,7 +331,7 @@ def assemble(
         if s.torch or pid in alive or pid in usage or s.launch.rank is not None
     }
     launches = {
-        pid: _merge(samples[pid].launch, _beat_launch(alive[pid]) if pid in alive else None)
+        pid: _merge(samples[pid].launch, beat_launch(alive[pid]) if pid in alive else None)
         for pid in shown
     }
     keys = {pid: job_key(launch) for pid, launch in launches.items()}
@@ -383,7 +364,7 @@ def assemble(
             local_rank=launch.local_rank,
             world_size=launch.world_size,
             local_world_size=launch.local_world_size,
-            job=_job_id(launch) if keys[pid] else None,
+            job=job_id(launch) if keys[pid] else None,
             job_key=keys[pid],
             launcher=launch.launcher,
             host=(beat.details.get("host") if beat is not None else None) or host,
@@ -399,7 +380,6 @@ def assemble(
     rows = _roles(rows, samples)
     extra = _heartbeat_devices(rows, alive)
     jobs = _jobs(rows, samples)
-    left = leftovers(beats, samples, devices, rows, now=now, sees_host_pids=sees_host_pids)
     notes = []
     if sees_host_pids is False and any(pid not in samples for pid in usage):
         hidden = sorted(pid for pid in usage if pid not in samples)
@@ -412,7 +392,7 @@ def assemble(
         rows.values(),
         key=lambda r: (r.job_key or "~", r.rank if r.rank is not None else 1 << 30, r.pid),
     )
-    return TorchView(tuple(order), jobs, tuple(left), tuple(extra), tuple(notes))
+    return TorchView(tuple(order), jobs, tuple(extra), tuple(notes))
 
 
 def _roles(
@@ -553,83 +533,7 @@ def _collective(r: ProcessReading) -> dict[str, Any] | None:
     return r.progress.collective if r.progress is not None else None
 
 
-def leftovers(
-    beats: Sequence[Beat],
-    samples: Mapping[int, ProcessSample],
-    devices: Sequence[DeviceReading],
-    rows: Mapping[int, ProcessReading],
-    *,
-    now: float,
-    sees_host_pids: bool | None,
-) -> list[Leftover]:
-    """What ended processes left: their heartbeats, device memory held by no live pid,
-    ranks whose launcher is gone."""
-    out = []
-    for b in beats:
-        if _alive(b, samples):
-            continue
-        launch = _beat_launch(b)
-        who = (
-            f"rank {launch.rank} of job {short_id(_job_id(launch))}"
-            if launch.rank is not None
-            else "a process"
-        )
-        where = b.details.get("device", "?")
-        held = (
-            f", holding {_size(b.reserved)} reserved on {where} when last read"
-            if b.memory_read_at and b.reserved
-            else ""
-        )
-        last = f"last step {b.since_last_step(now):.0f} s ago" if b.steps else "no step"
-        out.append(
-            Leftover(
-                kind="record",
-                pid=b.pid,
-                what=f"pid {b.pid} ({who}) ended without closing its heartbeat: killed, or "
-                f"crashed ({b.steps} steps, {last}{held}). `anydevice top --prune` removes it.",
-                memory=b.reserved if b.memory_read_at else None,
-                device=b.details.get("device"),
-                rank=launch.rank,
-                job=_job_id(launch) if job_key(launch) else None,
-                path=str(b.path) if b.path else None,
-            )
-        )
-    if sees_host_pids:
-        for d in devices:
-            for u in d.processes or ():
-                s = samples.get(u.pid)
-                if s is None or s.state == "Z":
-                    gone = "a zombie" if s is not None else "gone"
-                    out.append(
-                        Leftover(
-                            kind="memory",
-                            pid=u.pid,
-                            what=f"{_size(u.memory)} on {d.name} held by pid {u.pid}, which is "
-                            f"{gone}: the driver has not freed it (a GPU reset does).",
-                            memory=u.memory,
-                            device=d.key,
-                        )
-                    )
-    for r in rows.values():
-        s = samples.get(r.pid)
-        boss = s.launch.launcher_pid if s is not None else None
-        if r.role == "rank" and boss and boss not in samples:
-            out.append(
-                Leftover(
-                    kind="orphan",
-                    pid=r.pid,
-                    what=f"rank {r.rank} (pid {r.pid}) of job {short_id(r.job)} runs on, but "
-                    "its launcher "
-                    f"(pid {boss}) is gone.",
-                    memory=r.device_memory,
-                    rank=r.rank,
-                    job=r.job,
-                )
-            )
-    return out
-
-
-def _alive(b: Beat, samples: Mapping[int, ProcessSample]) -> bool:
+def wrote(b: Beat, samples: Mapping[int, ProcessSample]) -> bool:
     """The process that wrote ``b`` is among ``samples`` (the same one: its start time
     matches, where ``/proc`` tells start times)."""
     s = samples.get(b.pid)
@@ -659,12 +563,6 @@ def _user(uid: int | None) -> str | None:
         except (ImportError, KeyError):  # no pwd (Windows), or a uid without a name
             _users[uid] = str(uid)
     return _users[uid]
-
-
-def _size(n: int | None) -> str:
-    from anydevice.hardware.facts import format_bytes
-
-    return format_bytes(n)
 
 
 def _ranges(ranks: tuple[int, ...]) -> str:

@@ -40,6 +40,8 @@ __all__ = [
     "ProcessSample",
     "Scan",
     "cpu_percent",
+    "host_cpu_times",
+    "host_memory",
     "in_initial_pid_namespace",
 ]
 
@@ -202,6 +204,33 @@ def cpu_percent(before: ProcessSample | None, now: ProcessSample) -> float | Non
     if dt <= 0:
         return None
     return max(0.0, (now.cpu_ticks - before.cpu_ticks) / _ticks_per_second() / dt * 100.0)
+
+
+def host_cpu_times(proc: str = "/proc") -> tuple[int, int] | None:
+    """The host's CPU time so far, busy and in all, in clock ticks (``/proc/stat``); None
+    without ``/proc``. Two readings give the busy share between them."""
+    text = _read(f"{proc}/stat")
+    if not text:
+        return None
+    fields = [int(x) for x in text.split(b"\n", 1)[0].split()[1:]]
+    idle = sum(fields[3:5])  # idle, iowait
+    total = sum(fields[:8])  # user .. steal (guest time is inside user already)
+    return total - idle, total
+
+
+def host_memory(proc: str = "/proc") -> tuple[int, int] | None:
+    """The host's RAM, in all and available, in bytes (``/proc/meminfo``); None without."""
+    text = _read(f"{proc}/meminfo")
+    if not text:
+        return None
+    found = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(b":")
+        if key in (b"MemTotal", b"MemAvailable"):
+            found[key] = int(value.split()[0]) * 1024
+    if len(found) < 2:
+        return None
+    return found[b"MemTotal"], found[b"MemAvailable"]
 
 
 def in_initial_pid_namespace() -> bool | None:

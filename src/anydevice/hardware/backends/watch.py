@@ -218,6 +218,8 @@ def nvidia_readings(
     nvidia-smi's index and CUDA's name in this shell; notes on what is missing."""
     from anydevice.hardware.backends import nvml
 
+    if library is None and not _nvidia_driver_here():
+        return [], ["NVML library not found (no NVIDIA driver here)"]
     try:
         reader = nvml.NvmlReader(library) if library is not None else nvml.reader()
         driver = reader.read(telemetry=True)
@@ -227,6 +229,18 @@ def nvidia_readings(
         return [], ["NVML sees no NVIDIA GPU in this machine.", *driver.notes]
     readings, notes = nvidia_records(driver.gpus, environ)
     return readings, [*driver.notes, *notes]
+
+
+def _nvidia_driver_here() -> bool:
+    """Whether NVML may find a driver: not on Linux without the driver's files (so a
+    machine without NVIDIA GPUs does not load the NVML binding to learn it)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    from anydevice.hardware.backends.nvml import driver_present
+
+    return driver_present() or any(
+        os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/dxg", "/proc/driver/nvidia")
+    )
 
 
 def nvidia_records(
