@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from report import Result, run_interleaved, save, sync
 
 
 def gpu_heartbeat(device: str = "cuda", quick: bool = False) -> list[Result]:
-    os.environ.setdefault("ANYDEVICE_HEARTBEAT_DIR", tempfile.mkdtemp(prefix="bench-beat-"))
     import torch
 
     import anydevice as ad

@@ -212,6 +212,7 @@ class Watcher:
         wanted = {b.pid for b in beats}
         wanted.update(u.pid for d in devices for u in d.processes or ())
         scan = self._reader.scan(wanted)
+        scan.samples.pop(os.getpid(), None)  # the view itself is no torch process
         cpu = {}
         for pid, s in scan.samples.items():
             share = processes.cpu_percent(self._last.get(pid), s)

@@ -43,7 +43,7 @@ def sparkline(values: Iterable[float | None], top: float | None = None) -> str:
     """A line of bars, one per value, scaled to ``top`` (default: the largest).
 
     >>> sparkline([0, 50, 100], top=100)
-    '▁▄█'
+    '▁▅█'
     """
     seen = list(values)
     known = [v for v in seen if v is not None]

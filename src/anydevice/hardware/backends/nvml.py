@@ -91,6 +91,11 @@ class NvmlReader:
         self._static: DriverInfo | None = None
         self._unavailable: NvmlUnavailable | None = None
 
+    @property
+    def library(self) -> Any | None:
+        """The NVML binding this reader was given; None: pynvml, imported on first read."""
+        return self._library
+
     def read(self, *, telemetry: bool = True) -> DriverInfo:
         """Read every GPU NVML sees now, in nvidia-smi order.
 

@@ -218,10 +218,10 @@ def nvidia_readings(
     nvidia-smi's index and CUDA's name in this shell; notes on what is missing."""
     from anydevice.hardware.backends import nvml
 
-    if library is None and not _nvidia_driver_here():
+    reader = nvml.NvmlReader(library) if library is not None else nvml.reader()
+    if reader.library is None and not _nvidia_driver_here():
         return [], ["NVML library not found (no NVIDIA driver here)"]
     try:
-        reader = nvml.NvmlReader(library) if library is not None else nvml.reader()
         driver = reader.read(telemetry=True)
     except nvml.NvmlUnavailable as e:
         return [], [f"{e}."]
