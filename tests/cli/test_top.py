@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +250,14 @@ def _read_until(master: int, needle: bytes, timeout: float = 120) -> bytes:
 
 @pytest.fixture
 def victim(tmp_path):
-    """A Python process that looks like rank 0 of job 'victim-job', to be signalled."""
+    """A Python process that looks like rank 0 of a job of its own (``victim.job``: tests
+    running side by side have their own), to be signalled."""
+    job = f"victim-{uuid.uuid4().hex[:8]}"
     p = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(300)"],
-        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "victim-job"},
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": job},
     )
+    p.job = job  # type: ignore[attr-defined]
     yield p
     if p.poll() is None:
         p.kill()
@@ -263,7 +267,7 @@ def victim(tmp_path):
 @pytest.mark.parametrize("allowed", [False, True])
 def test_signals_need_the_flag_a_key_and_a_yes(victim, tmp_path, allowed):
     env = {"ANYDEVICE_HEARTBEAT_DIR": str(tmp_path)}
-    flags = ["--job", "victim-job", *(["--signals"] if allowed else [])]
+    flags = ["--job", victim.job, *(["--signals"] if allowed else [])]
     proc, master = _pty_top(*flags, env=env)
     try:
         _read_until(master, str(victim.pid).encode())
@@ -348,7 +352,7 @@ def test_as_another_user_the_processes_it_cannot_read_are_skipped(victim, tmp_pa
 
 def test_once_prints_plain_text_for_logs_and_notebooks(victim, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "anydevice", "top", "--once", "--job", "victim-job"],
+        [sys.executable, "-m", "anydevice", "top", "--once", "--job", victim.job],
         capture_output=True,
         text=True,
         timeout=120,
@@ -357,5 +361,5 @@ def test_once_prints_plain_text_for_logs_and_notebooks(victim, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "\x1b[" not in out.stdout  # no terminal codes in a pipe: a log, a notebook cell
     row = next(line for line in out.stdout.splitlines() if str(victim.pid) in line)
-    assert "victim-job" in row and "0/1" in row
+    assert victim.job in row and "0/1" in row
     assert all(len(line) <= 80 for line in out.stdout.splitlines())

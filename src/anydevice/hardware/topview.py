@@ -220,7 +220,7 @@ class _ProcessTable:
             for name in columns
         }
         if "job" in widths:
-            widths["job"] = min(widths["job"], 14)
+            widths["job"] = min(widths["job"], 16)
         by_need = sorted((rank, name) for name, rank in _COLUMNS if name in widths and rank)
         while True:
             # Each column is padded by one on each inner side and parted by one: 3 each.
