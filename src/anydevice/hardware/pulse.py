@@ -86,11 +86,10 @@ def tick(source: str, device: torch.device | None = None) -> None:
     """One step of ``source`` (a key of :data:`SOURCES`) on ``device``, whose allocator's
     counters are published at most once every :data:`MEMORY_EVERY_S` seconds."""
     s = _state
-    if source == s.owner or _take(s, source):
-        s.pending += 1
-    elif s.off:
-        return
-    now = time.time()
+    if source != s.owner and not _take(s, source):
+        return  # off, or another step point counts this process's steps (and memory)
+    s.pending += 1
+    now = time.time()  # every step: a count read only every few steps could lag a slow one
     if now >= s.due:
         _publish(s, now, device)
 
