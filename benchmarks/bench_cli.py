@@ -54,11 +54,9 @@ def wall(argv: Sequence[str], cpu: list[float], ok: tuple[int, ...] = (0,)) -> C
     return go
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
-
+def console_script() -> str:
+    """The ``anydevice`` command as users run it, its package compiled to bytecode first
+    (and the children allowed to read it): the path of the console script."""
     import anydevice
 
     compileall.compile_dir(Path(anydevice.__file__).parent, quiet=1)
@@ -67,6 +65,16 @@ def main() -> None:
     ad = shutil.which("anydevice", path=bindir) or shutil.which("anydevice")
     if ad is None:
         raise SystemExit("the anydevice console script is not installed: pip install -e .")
+    return ad
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+
+    ad = console_script()
+    bindir = str(Path(sys.executable).parent)
 
     helps = {
         "anydevice --help": [ad, "--help"],

@@ -31,6 +31,8 @@ class Gpu:
     free: int = 80 * GiB
     cc: tuple[int, int] = (9, 0)
     raises: dict[str, Exception] = field(default_factory=dict)  #: call name -> error
+    processes: dict[int, int] | None = None  #: pid -> memory used (None: not supported)
+    samples: list[tuple[int, int, int]] | None = None  #: (pid, SM %, time stamp)
 
 
 class Binding:
@@ -95,6 +97,22 @@ class Binding:
 
     def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
         return self._gpu("nvmlDeviceGetCudaComputeCapability", h).cc
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        found = self._gpu("nvmlDeviceGetComputeRunningProcesses", h).processes
+        if found is None:
+            raise pynvml.NVMLError_NotSupported()
+        return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in found.items()]
+
+    def nvmlDeviceGetProcessUtilization(self, h: int, since: int) -> list[Any]:
+        found = self._gpu("nvmlDeviceGetProcessUtilization", h).samples
+        if found is None:
+            raise pynvml.NVMLError_NotFound()
+        return [
+            SimpleNamespace(pid=p, smUtil=sm, memUtil=0, timeStamp=t)
+            for p, sm, t in found
+            if t > since
+        ]
 
 
 def gpus(n: int) -> list[Gpu]:

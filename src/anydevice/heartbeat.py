@@ -74,7 +74,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -181,6 +180,8 @@ def folder() -> Path:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.access(runtime, os.W_OK):
         return Path(runtime) / "anydevice"
+    import tempfile  # only here: readers such as `anydevice top --once` start faster
+
     return Path(tempfile.gettempdir()) / f"anydevice-{uid}"
 
 
@@ -247,18 +248,19 @@ class Heartbeat:
             )
             self._end()
 
-    def step(self, now: float | None = None) -> None:
-        """Count one step (a batch delivered, an optimizer step)."""
+    def step(self, now: float | None = None, count: int = 1) -> None:
+        """Count one step (a batch delivered, an optimizer step), or ``count`` steps the
+        last of which ended ``now`` (a caller that publishes a few at a time)."""
         t = time.time() if now is None else now
         with self._lock:
-            self._steps += 1
+            self._steps += count
             if self._last:
                 gap = t - self._last
                 if gap > 0:
                     # A moving average whose weight follows time, not steps: one fast or
                     # slow step moves it by its share of the last ~10 s.
                     w = 1.0 - math.exp(-gap / _RATE_WINDOW)
-                    now_rate = 1.0 / gap
+                    now_rate = count / gap
                     self._rate = (
                         self._rate + w * (now_rate - self._rate) if self._rate else now_rate
                     )

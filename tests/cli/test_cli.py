@@ -120,14 +120,14 @@ def test_top_json_prints_one_record_per_interval():
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(records) == 3
-    assert all(r["schema"] == "anydevice.top/1" for r in records)
+    assert all(r["schema"] == "anydevice.top/2" for r in records)
     times = [r["time"] for r in records]
     assert times == sorted(times) and times[-1] - times[0] >= 0.1
     host = records[0]["host"]
     assert 0 <= host["cpu_percent"] <= 100
     assert 0 < host["memory_used"] < host["memory_total"]
     if not cuda_gpu_present():
-        assert records[0]["gpus"] == [] and "no GPU" in records[0]["notes"][0]
+        assert records[0]["devices"] == [] and "no GPU" in records[0]["notes"][0]
 
 
 @pytest.mark.parametrize("bad", [["--interval", "0"], ["--interval", "x"], ["--count", "0"]])
@@ -142,17 +142,17 @@ def test_top_json_lists_every_gpu_with_both_indices():
 
     out = run("top", "--json", "--once")
     (record,) = [json.loads(line) for line in out.stdout.splitlines()]
-    gpus = record["gpus"]
+    gpus = [d for d in record["devices"] if d["source"] == "nvml"]
     visible = inventory_without_torch(kinds=("cuda",)).of_kind("cuda")
     by_uuid = {g["uuid"]: g for g in gpus}
     for d in visible:
         g = by_uuid[d.uuid]
-        assert (g["cuda_index"], g["smi_index"]) == (d.index, d.smi_index)
+        assert (g["torch_name"], g["index"]) == (d.spec, d.smi_index)
         assert g["name"] == d.name and g["memory_total"] == d.memory_total
         assert g["utilization"] is not None and g["temperature"] is not None
         assert g["processes"] is not None
     table = run("top", "--once").stdout
-    assert "GPUs" in table and f"cuda:{visible[0].index}" in table
+    assert "devices" in table and f"cuda:{visible[0].index}" in table
 
 
 # ----------------------------------------------------------------------------- select

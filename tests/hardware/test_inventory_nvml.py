@@ -84,10 +84,30 @@ def test_info_top_and_select_survive_a_lost_gpu(lost_gpu_machine, capsys):
     assert any("GpuIsLost" in n for n in json.loads(capsys.readouterr().out)["notes"])
     assert cli.main(["top", "--once", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert [g["smi_index"] for g in record["gpus"]] == [0, 2]
+    assert [g["index"] for g in record["devices"] if g["source"] == "nvml"] == [0, 2]
     assert any("GpuIsLost" in n for n in record["notes"])
     assert cli.main(["select"]) in (0, 1)  # a pick, or no CUDA torch here: never a traceback
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_gpus_processes_come_with_their_memory_and_newest_sm_use():
+    from dataclasses import replace
+
+    from anydevice.hardware.backends.watch import nvidia_readings
+
+    (gpu,) = gpus(1)
+    gpu = replace(
+        gpu,
+        processes={4242: 19 * 2**30, 4243: 2**30},
+        samples=[(4242, 50, 1), (4242, 97, 2), (4243, 10, 1)],  # (pid, SM %, time stamp)
+    )
+    readings, _ = nvidia_readings({}, Binding([gpu]))
+    (reading,) = readings
+    uses = {u.pid: (u.memory, u.utilization) for u in reading.processes or ()}
+    assert uses == {4242: (19 * 2**30, 97.0), 4243: (2**30, 10.0)}
+    quiet = replace(gpu, samples=None)  # no samples kept: NVML says NotFound
+    ((reading,), _) = nvidia_readings({}, Binding([quiet]))
+    assert [u.utilization for u in reading.processes or ()] == [None, None]
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -61,56 +61,15 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _top_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--interval",
-        type=_positive_seconds,
-        default=1.0,
-        metavar="S",
-        help="seconds between readings (default 1)",
-    )
-    p.add_argument("--once", action="store_true", help="print one reading and exit (for logs)")
-    p.add_argument("--json", action="store_true", help="one JSON record per reading, one a line")
-    p.add_argument(
-        "--count", type=_positive_int, default=None, metavar="N", help="stop after N readings"
-    )
+    from anydevice.cli import top
+
+    top.configure(p, seconds=_positive_seconds, count=_positive_int)
 
 
 def _top(args: argparse.Namespace) -> int:
-    import time
+    from anydevice.cli import top
 
-    from rich.console import Console
-
-    from anydevice.hardware.gpuwatch import Watcher
-    from anydevice.hardware.render import top_view
-
-    count = 1 if args.once else args.count
-    console = Console()
-    watcher = Watcher()
-    live = None
-    if not args.json and count != 1 and console.is_terminal:
-        from rich.live import Live
-
-        live = Live(console=console, auto_refresh=False, transient=False)
-        live.start()
-    taken = 0
-    try:
-        while True:
-            reading = watcher.read()
-            taken += 1
-            if args.json:
-                print(json.dumps(reading.to_dict()), flush=True)
-            elif live is not None:
-                live.update(top_view(reading), refresh=True)
-            else:
-                console.print(top_view(reading))
-            if count is not None and taken >= count:
-                return 0
-            time.sleep(args.interval)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        if live is not None:
-            live.stop()
+    return top.run(args)
 
 
 # ----------------------------------------------------------------------------- select
@@ -665,7 +624,11 @@ COMMANDS: dict[str, Command] = {
     "info": Command(
         "what devices this machine has (no CUDA context is created)", _info_args, _info
     ),
-    "top": Command("a live view of every GPU and the host (NVML; no CUDA)", _top_args, _top),
+    "top": Command(
+        "a live view of every accelerator, the torch jobs and their ranks, and the host",
+        _top_args,
+        _top,
+    ),
     "select": Command("print CUDA_VISIBLE_DEVICES for the N freest GPUs", _select_args, _select),
     "doctor": Command("check this machine's set-up and say what to fix", _doctor_args, _doctor),
     "launch": Command(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -45,7 +46,7 @@ from anydevice.distributed.environment import World
 from anydevice.distributed.preemption import Preemption
 from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.feeding.streams import stream_device
-from anydevice.hardware import selection
+from anydevice.hardware import pulse, selection
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.spec import NO_INDEX, DeviceLike, parse_spec
 
@@ -220,10 +221,11 @@ def distributed(
                 f"A process group already exists, so ad.distributed(init_method="
                 f"{init_method!r}) cannot make another. Drop the argument."
             )
-        yield _existing(world, backend, timeout, device)
+        yield _announced(_existing(world, backend, timeout, device))
         return
     if not world.is_launched and init_method is None:
-        yield Distributed(0, 0, 1, 1, 0, rank_device(device, 0), None, "single", world)
+        single = Distributed(0, 0, 1, 1, 0, rank_device(device, 0), None, "single", world)
+        yield _announced(single)
         return
     if not dist.is_available():
         raise DistributedError(
@@ -241,6 +243,7 @@ def distributed(
         ended = _Ending()
         stack.callback(lambda: _teardown(keep=ended.agreed))
         stack.enter_context(ended)  # left first: says how the block ended to the teardown
+        _announce(world, dev, str(dist.get_backend()))
         try:
             yield Distributed(
                 rank=world.rank,
@@ -301,6 +304,35 @@ def _built(backend: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- internals
+
+
+def _announce(world: World, device: torch.device, backend: str | None) -> None:
+    """Say who this process is in its heartbeat (``anydevice top``'s rank, job and device
+    columns; the launcher's hang watch)."""
+    pulse.identify(
+        rank=world.rank,
+        local_rank=world.local_rank,
+        world_size=world.world_size,
+        local_world_size=world.local_world_size,
+        device=device,
+        launcher=world.launcher,
+        node_rank=world.node_rank,
+        collective_backend=backend,
+    )
+
+
+def _announced(d: Distributed) -> Distributed:
+    """``d``, announced (:func:`_announce`): a group made elsewhere may not be the
+    environment's world."""
+    world = dataclasses.replace(
+        d.world,
+        rank=d.rank,
+        local_rank=d.local_rank,
+        world_size=d.world_size,
+        local_world_size=d.local_world_size,
+    )
+    _announce(world, d.device, d.backend)
+    return d
 
 
 def _index(device: torch.device) -> int:

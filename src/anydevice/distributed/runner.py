@@ -34,6 +34,8 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from anydevice import heartbeat
+
 __all__ = ["call", "main", "run", "worker"]
 
 T = TypeVar("T")
@@ -70,6 +72,7 @@ def worker() -> Iterator[None]:
         _keep_inherited_pipes()
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
+        heartbeat.mine()  # this worker's record, from its start: anydevice top, the hang watch
         from anydevice.distributed import progress
 
         progress.watch(os.environ[LAUNCH_DIR])  # the hang watch's side in this rank

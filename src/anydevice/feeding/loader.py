@@ -80,6 +80,7 @@ from anydevice.feeding.resume import (
 from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
 from anydevice.feeding.waiting import Shares
+from anydevice.hardware import pulse
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
@@ -545,6 +546,7 @@ class DeviceLoader(Generic[T]):
                 if batch is _END:
                     self._end_epoch()
                     return
+                pulse.tick("batch", self.device)  # this process's heartbeat: anydevice top
                 yield batch
         finally:
             run.close()

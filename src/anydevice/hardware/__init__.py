@@ -18,6 +18,14 @@ Modules:
   ``torch.device`` (``ad.device``, ``ad.devices``, ``ad.describe``, ``ad.try_gpu``).
 * :mod:`~anydevice.hardware.visibility`: the pure half of ``ad.restrict_visible``.
 * :mod:`~anydevice.hardware.peaks`: datasheet peaks of known GPUs and the PCIe link's limit.
-* :mod:`~anydevice.hardware.gpuwatch`: live NVML readings for ``anydevice top``.
-* :mod:`~anydevice.hardware.render`: the inventory and the live view as rich tables.
+* :mod:`~anydevice.hardware.pulse`: this process's heartbeat, fed by the library's step
+  points (steps; the device allocator's counters once a second).
+* :mod:`~anydevice.hardware.processes`: the processes of this machine from ``/proc``: which
+  run torch, their launcher's variables, CPU, memory, PID namespaces.
+* :mod:`~anydevice.hardware.jobs`: processes as jobs and ranks, and which stalled (pure).
+* :mod:`~anydevice.hardware.leftovers`: what ended processes left behind (pure).
+* :mod:`~anydevice.hardware.gpuwatch`: ``anydevice top``'s readings: the host, every
+  accelerator, the torch processes and their heartbeats; the JSON schema.
+* :mod:`~anydevice.hardware.topview`: ``anydevice top``'s screen: tables, sparklines, order.
+* :mod:`~anydevice.hardware.render`: the inventory as rich tables.
 """

@@ -1,4 +1,5 @@
-"""What a machine has, as data: :class:`HostInfo`, :class:`DeviceInfo`, :class:`ProcessInfo`.
+"""What a machine has, as data: :class:`HostInfo`, :class:`DeviceInfo`, :class:`ProcessInfo`;
+and what its accelerators do now (:class:`DeviceReading`, :class:`DeviceUse`).
 
 The backends (:mod:`anydevice.hardware.backends`) read the hardware and fill these in;
 :mod:`anydevice.hardware.inventory` gathers them into an :class:`~anydevice.Inventory`.
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCELERATOR_KINDS",
     "DeviceInfo",
+    "DeviceReading",
+    "DeviceUse",
     "HostInfo",
     "ProcessInfo",
     "format_bytes",
@@ -100,6 +103,52 @@ class ProcessInfo:
     pid: int
     name: str | None = None
     memory: int | None = None  #: bytes this process holds on the device
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """What one process uses of one device now (None: not reported)."""
+
+    pid: int
+    memory: int | None = None  #: bytes
+    utilization: float | None = None  #: percent of the device's compute
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One accelerator now, as its vendor's tool or the kernel reports it (``anydevice
+    top``). Fields the source does not report are None.
+
+    >>> DeviceReading("nvml:GPU-1", "NVIDIA", "nvml", "NVIDIA H100", index=0).to_dict()["index"]
+    0
+    """
+
+    key: str  #: unique within a reading: the source and the device's UUID or PCI slot
+    vendor: str | None  #: "NVIDIA", "AMD", "Intel", "Apple"; None: known from heartbeats only
+    source: str  #: what read it: nvml, amdsmi, drm, xpu-smi, ioreg, heartbeat
+    name: str
+    index: int | None = None  #: the vendor tool's index (nvidia-smi's, amd-smi's, the card's)
+    torch_name: str | None = None  #: the torch device in this shell (e.g. ``cuda:0``)
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    memory_used: int | None = None
+    memory_total: int | None = None
+    utilization: float | None = None  #: percent
+    temperature: float | None = None  #: degrees Celsius
+    power: float | None = None  #: watts
+    power_limit: float | None = None
+    mig_parent: str | None = None  #: the parent GPU's UUID, for a MIG device
+    processes: tuple[DeviceUse, ...] | None = None  #: None when unknown, () when none
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types, memory in bytes."""
+        out = dataclasses.asdict(self)
+        out["processes"] = (
+            None if self.processes is None else [dataclasses.asdict(p) for p in self.processes]
+        )
+        out["notes"] = list(self.notes)
+        return out
 
 
 @dataclass(frozen=True, repr=False)

@@ -1,11 +1,15 @@
-"""Live readings of every NVIDIA GPU and of the host, for ``anydevice top``.
+"""Live readings of the host, every accelerator and every torch process, for ``anydevice top``.
 
-NVML and psutil only: no torch, no CUDA context, so watching never disturbs what it
-watches. Every physical GPU is listed, with nvidia-smi's index and, where CUDA shows it to
-this process, CUDA's index (``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` applied).
+No torch, no CUDA context: the accelerators through their vendors' readers
+(:mod:`anydevice.hardware.backends.watch`), the processes from ``/proc``
+(:mod:`anydevice.hardware.processes`), and what torch processes publish in their heartbeats
+(:mod:`anydevice.heartbeat`), read, never written, so watching disturbs nothing it watches.
+:mod:`anydevice.hardware.jobs` turns them into ranks, jobs and stalls,
+:mod:`anydevice.hardware.leftovers` finds what ended processes left.
 
-The JSON form of a :class:`Reading` is one record per interval: memory in bytes, power in
-watts, temperature in degrees Celsius, utilisation in percent, ``null`` when unknown.
+The JSON form of a :class:`Reading` (schema ``anydevice.top/2``, docs/top.md) is one
+record per interval: memory in bytes, power in watts, temperature in degrees Celsius,
+utilisation and CPU in percent, times in seconds, ``null`` when unknown.
 """
 
 from __future__ import annotations
@@ -14,43 +18,26 @@ import dataclasses
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from anydevice.hardware.facts import ProcessInfo
+from anydevice.hardware import processes
 
 if TYPE_CHECKING:
-    from anydevice.hardware.backends.nvml import GpuRecord
+    from pathlib import Path
 
-__all__ = ["GpuReading", "HostReading", "Reading", "Watcher", "gpu_readings"]
+    from anydevice.hardware.facts import DeviceReading
+    from anydevice.hardware.jobs import JobReading, ProcessReading
+    from anydevice.hardware.leftovers import Leftover
+    from anydevice.heartbeat import Beat
 
-SCHEMA = "anydevice.top/1"
+# What ``--once`` waits for (a CPU share needs an interval) is spent importing and reading:
+# the modules for the readings are imported after the interval has begun (Watcher.read).
 
+__all__ = ["SCHEMA", "HostReading", "Reading", "Watcher", "heartbeat_folders"]
 
-@dataclass(frozen=True)
-class GpuReading:
-    """One GPU (or MIG device) now."""
-
-    smi_index: int  #: nvidia-smi's index (of the parent GPU, for a MIG device)
-    cuda_index: int | None  #: ``cuda:N`` in this process; None when CUDA hides it
-    uuid: str
-    name: str
-    memory_used: int | None = None
-    memory_total: int | None = None
-    utilization: float | None = None
-    temperature: float | None = None
-    power: float | None = None
-    power_limit: float | None = None
-    processes: tuple[ProcessInfo, ...] | None = None  #: None when unknown, () when none
-    mig_parent: str | None = None  #: the parent GPU's UUID, for a MIG device
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain types, memory in bytes."""
-        out = dataclasses.asdict(self)
-        if self.processes is not None:
-            out["processes"] = [dataclasses.asdict(p) for p in self.processes]
-        return out
+SCHEMA = "anydevice.top/2"
 
 
 @dataclass(frozen=True)
@@ -83,22 +70,97 @@ class Reading:
 
     time: float  #: seconds since the epoch
     host: HostReading
-    gpus: tuple[GpuReading, ...]
-    notes: tuple[str, ...] = ()  #: why no GPU is listed, or what is unknown
+    devices: tuple[DeviceReading, ...]
+    processes: tuple[ProcessReading, ...] = ()
+    jobs: tuple[JobReading, ...] = ()
+    leftovers: tuple[Leftover, ...] = ()
+    notes: tuple[str, ...] = ()  #: why no GPU is listed, what could not be read
+    skipped: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def only(
+        self,
+        *,
+        ranks: frozenset[int] | None = None,
+        job: str | None = None,
+        device: str | None = None,
+    ) -> Reading:
+        """This reading with only the ranks, job and device asked for (the processes and
+        jobs; the devices too with ``device``). A job matches by a part of its id; a device
+        by its torch name (``cuda:1``, ``sim``), index, name, UUID or PCI slot, or their
+        start; ``sim`` matches every ``sim:N``."""
+        procs, devices, found = list(self.processes), list(self.devices), list(self.jobs)
+        if job:
+            needle = job.lower()
+
+            def holds(*names: str | None) -> bool:
+                return any(needle in n.lower() for n in names if n)
+
+            procs = [p for p in procs if holds(p.job, p.job_key)]
+            found = [j for j in found if holds(j.id, j.key)]
+        if ranks is not None:
+            procs = [p for p in procs if p.rank in ranks]
+        if device:
+            devices = [d for d in devices if _device_matches(d, device)]
+            keys = {d.key for d in devices}
+            names = {d.torch_name for d in devices if d.torch_name}
+            procs = [p for p in procs if keys & set(p.devices) or names & set(p.device_names)]
+        if ranks is not None or device:
+            pids = {p.pid for p in procs}
+            found = [j for j in found if any(pid in pids for _, pid, _ in j.ranks)]
+        return dataclasses.replace(
+            self, processes=tuple(procs), devices=tuple(devices), jobs=tuple(found)
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON record: ``{"schema", "time", "host", "gpus", "notes"}``."""
+        """The JSON record (docs/top.md): ``schema``, ``time``, ``host``, ``devices``,
+        ``processes``, ``jobs``, ``leftovers``, ``notes``, ``skipped``."""
         return {
             "schema": SCHEMA,
             "time": self.time,
             "host": self.host.to_dict(),
-            "gpus": [g.to_dict() for g in self.gpus],
+            "devices": [d.to_dict() for d in self.devices],
+            "processes": [p.to_dict() for p in self.processes],
+            "jobs": [j.to_dict() for j in self.jobs],
+            "leftovers": [x.to_dict() for x in self.leftovers],
             "notes": list(self.notes),
+            "skipped": dict(self.skipped),
         }
 
 
+def _device_matches(d: DeviceReading, spec: str) -> bool:
+    s = spec.strip().lower()
+    if s.isdigit():
+        return d.index == int(s)
+    names = [d.key, d.torch_name, d.name, d.uuid, d.pci_bus_id, d.vendor]
+    if any(n and (n.lower() == s or n.lower().startswith(s)) for n in names):
+        return True
+    return ":" not in s and bool(d.torch_name) and str(d.torch_name).lower().split(":")[0] == s
+
+
+def heartbeat_folders() -> list[Path]:
+    """Where heartbeats are: ``ANYDEVICE_HEARTBEAT_DIR`` alone where set, else this user's
+    folder and every other user's this process may read (root reads them all)."""
+    from anydevice import heartbeat
+
+    mine = heartbeat.folder()
+    if os.environ.get("ANYDEVICE_HEARTBEAT_DIR"):
+        return [mine]
+    found = [mine]
+    parent = mine.parent
+    prefix = mine.name.rsplit("-", 1)[0] + "-"
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return found
+    for name in names:
+        path = parent / name
+        if name.startswith(prefix) and path != mine and os.access(path, os.R_OK | os.X_OK):
+            found.append(path)
+    return found
+
+
 class Watcher:
-    """Takes :class:`Reading` s; CPU busy shares are measured between consecutive calls.
+    """Takes :class:`Reading` s; CPU shares are measured between consecutive calls.
 
     >>> w = Watcher(environ={"CUDA_VISIBLE_DEVICES": ""})
     >>> w.read().host.cores >= 1
@@ -107,7 +169,9 @@ class Watcher:
     Args:
         environ: where ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` are read (default:
             this process's environment).
-        clock: wall clock in seconds, for the reading's time stamp.
+        clock: wall clock in seconds, for the reading's time stamp and heartbeat ages.
+        devices: the accelerators' reader (default: every vendor's, as present).
+        folders: where heartbeats are read (default: :func:`heartbeat_folders`).
     """
 
     #: The first CPU share is measured over at least this long, so it means something.
@@ -117,86 +181,115 @@ class Watcher:
         self,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
+        *,
+        devices: Any | None = None,
+        folders: list[Path] | None = None,
     ) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._environ = os.environ if environ is None else environ
-        self._clock = clock
         self._primed_at = time.monotonic()
-        psutil.cpu_percent(interval=None)  # starts the first interval
+        self._cpu = self._host_cpu()  # starts the first interval
+        self._reader = processes.ProcessReader()
+        self._last = self._reader.scan().samples  # the first CPU shares start here
+        self._clock = clock
+        self._folders = folders
+        if devices is None:
+            from anydevice.hardware.backends.watch import DeviceWatch
+
+            devices = DeviceWatch(environ)
+        self._devices = devices
+        self._devices.prime()
+        self._sees_host_pids = processes.in_initial_pid_namespace()
 
     def read(self) -> Reading:
-        """Read the host and every GPU now."""
-        gpus, notes = self._gpus()
+        """Read the host, the accelerators and the processes now."""
+        from anydevice.hardware.jobs import assemble
+        from anydevice.hardware.leftovers import leftovers
+
+        devices, notes = self._devices.read()
         wait = self.FIRST_SAMPLE_S - (time.monotonic() - self._primed_at)
         if wait > 0:
             time.sleep(wait)
-        return Reading(time=self._clock(), host=self._host(), gpus=gpus, notes=notes)
+        beats = self._beats()
+        wanted = {b.pid for b in beats}
+        wanted.update(u.pid for d in devices for u in d.processes or ())
+        scan = self._reader.scan(wanted)
+        scan.samples.pop(os.getpid(), None)  # the view itself is no torch process
+        cpu = {}
+        for pid, s in scan.samples.items():
+            share = processes.cpu_percent(self._last.get(pid), s)
+            if share is not None:
+                cpu[pid] = share
+        self._last = scan.samples
+        now = self._clock()
+        host = self._host()
+        view = assemble(
+            scan.samples,
+            cpu,
+            beats,
+            devices,
+            now=now,
+            host=host.hostname,
+            sees_host_pids=self._sees_host_pids,
+        )
+        left = leftovers(
+            beats,
+            scan.samples,
+            devices,
+            view.processes,
+            now=now,
+            sees_host_pids=self._sees_host_pids,
+        )
+        return Reading(
+            time=now,
+            host=host,
+            devices=(*devices, *view.devices),
+            processes=view.processes,
+            jobs=view.jobs,
+            leftovers=tuple(left),
+            notes=(*notes, *view.notes),
+            skipped={"vanished": scan.vanished, "unreadable": scan.unreadable},
+        )
+
+    def _beats(self) -> list[Beat]:
+        from anydevice import heartbeat
+
+        found = []
+        for place in self._folders if self._folders is not None else heartbeat_folders():
+            found.extend(heartbeat.read_all(place, prune=False))  # read-only: others' records
+        return found
+
+    def _host_cpu(self) -> tuple[int, int] | float:
+        """The host's CPU times now (``/proc/stat``); elsewhere psutil's share since the
+        last call."""
+        times = processes.host_cpu_times() if processes.PROC else None
+        if times is not None:
+            return times
+        import psutil
+
+        return float(psutil.cpu_percent(interval=None))
 
     def _host(self) -> HostReading:
-        ps = self._psutil
-        vm = ps.virtual_memory()
+        now = self._host_cpu()
+        before, self._cpu = self._cpu, now
+        if isinstance(now, tuple) and isinstance(before, tuple):
+            busy, total = now[0] - before[0], now[1] - before[1]
+            share = 100.0 * busy / total if total > 0 else 0.0
+        else:
+            share = float(now) if not isinstance(now, tuple) else 0.0
+        memory = processes.host_memory() if processes.PROC else None
+        if memory is None:
+            import psutil
+
+            vm = psutil.virtual_memory()
+            memory = int(vm.total), int(vm.available)
         try:
             load: tuple[float, float, float] | None = os.getloadavg()
         except (AttributeError, OSError):  # Windows has no load average
             load = None
         return HostReading(
             hostname=platform.node(),
-            cpu_percent=float(ps.cpu_percent(interval=None)),
+            cpu_percent=max(0.0, min(100.0, share)),
             cores=os.cpu_count() or 1,
             load=load,
-            memory_total=int(vm.total),
-            memory_available=int(vm.available),
+            memory_total=memory[0],
+            memory_available=memory[1],
         )
-
-    def _gpus(self) -> tuple[tuple[GpuReading, ...], tuple[str, ...]]:
-        from anydevice.hardware.backends import nvml
-
-        try:
-            driver = nvml.read(telemetry=True)
-        except nvml.NvmlUnavailable as e:
-            return (), (f"no GPU: {e}.",)
-        if not driver.gpus:
-            return (), ("no GPU: NVML sees no NVIDIA GPU in this machine.", *driver.notes)
-        readings, notes = gpu_readings(driver.gpus, self._environ)
-        return readings, (*driver.notes, *notes)
-
-
-def gpu_readings(
-    gpus: Sequence[GpuRecord], environ: Mapping[str, str]
-) -> tuple[tuple[GpuReading, ...], tuple[str, ...]]:
-    """NVML's records as readings, each MIG device after its GPU, with CUDA's index (pure).
-
-    >>> from anydevice.hardware.backends.nvml import GpuRecord
-    >>> a = GpuRecord(smi_index=0, uuid="GPU-a", name="A", pci_bus_id="0000:01:00.0")
-    >>> b = GpuRecord(smi_index=1, uuid="GPU-b", name="A", pci_bus_id="0000:02:00.0")
-    >>> [g.cuda_index for g in gpu_readings([a, b], {"CUDA_VISIBLE_DEVICES": "1"})[0]]
-    [None, 0]
-    """
-    from anydevice.hardware.backends.cuda import visible_devices
-
-    vis = visible_devices(
-        gpus, environ.get("CUDA_VISIBLE_DEVICES"), environ.get("CUDA_DEVICE_ORDER")
-    )
-    cuda_index = {r.uuid: i for i, r in enumerate(vis.devices)}
-    out = []
-    for g in gpus:
-        for r in (g, *g.mig_devices):
-            out.append(
-                GpuReading(
-                    smi_index=r.smi_index,
-                    cuda_index=cuda_index.get(r.uuid),
-                    uuid=r.uuid,
-                    name=r.name,
-                    memory_used=r.memory_used,
-                    memory_total=r.memory_total,
-                    utilization=r.utilization,
-                    temperature=r.temperature,
-                    power=r.power,
-                    power_limit=r.power_limit,
-                    processes=r.processes,
-                    mig_parent=r.mig_parent,
-                )
-            )
-    return tuple(out), vis.notes

@@ -1,11 +1,11 @@
-"""Rich tables of the hardware: the inventory (text, and HTML in a notebook) and ``anydevice
-top``'s live view."""
+"""Rich tables of the hardware: the inventory (text, and HTML in a notebook). ``anydevice
+top``'s screen is :mod:`anydevice.hardware.topview`'s."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -13,10 +13,9 @@ from rich.text import Text
 from anydevice.hardware.facts import DeviceInfo, HostInfo, format_bytes
 
 if TYPE_CHECKING:
-    from anydevice.hardware.gpuwatch import Reading
     from anydevice.hardware.inventory import Inventory
 
-__all__ = ["device_table", "host_table", "render_inventory", "top_view"]
+__all__ = ["device_table", "host_table", "render_inventory"]
 
 
 def _unknown() -> Text:
@@ -125,61 +124,3 @@ def render_inventory(inv: Inventory, console: Console) -> None:
         console.print(device_table(d))
     for note in inv.notes:
         console.print(Text(f"note: {note}", style="yellow"))
-
-
-# ----------------------------------------------------------------------------- top
-
-
-def _share(used: float | None, total: float | None) -> str:
-    if used is None or not total:
-        return "?"
-    return f"{used / total:.0%}"
-
-
-def _reading(value: float | None, fmt: str) -> Text | str:
-    return _unknown() if value is None else fmt.format(value)
-
-
-def top_view(r: Reading) -> Group:
-    """One screen of ``anydevice top``: the host, each GPU, and the processes on them."""
-    from datetime import datetime
-
-    h = r.host
-    load = "" if h.load is None else " — load " + " ".join(f"{x:.2f}" for x in h.load)
-    when = datetime.fromtimestamp(r.time).strftime("%H:%M:%S")
-    host = Text.assemble(
-        (h.hostname, "bold"),
-        f"  {when}  CPU {h.cpu_percent:.0f}% of {h.cores} cores{load}  RAM ",
-        f"{format_bytes(h.memory_used)} / {format_bytes(h.memory_total)} "
-        f"({_share(h.memory_used, h.memory_total)})",
-    )
-    parts: list[Any] = [host]
-    if r.gpus:
-        gpus = Table(title="GPUs", title_justify="left")
-        for name in ("cuda", "smi", "name", "memory used / total", "util", "temp", "power"):
-            gpus.add_column(name, justify="left" if name == "name" else "right", no_wrap=True)
-        procs = Table(title="processes", title_justify="left")
-        for name in ("smi", "pid", "name", "GPU memory"):
-            procs.add_column(name, justify="left" if name == "name" else "right")
-        for g in r.gpus:
-            cap = f" / {g.power_limit:.0f}" if g.power_limit else ""
-            gpus.add_row(
-                Text("-", style="dim") if g.cuda_index is None else f"cuda:{g.cuda_index}",
-                str(g.smi_index),
-                g.name,
-                f"{format_bytes(g.memory_used)} / {format_bytes(g.memory_total)} "
-                f"({_share(g.memory_used, g.memory_total)})",
-                _reading(g.utilization, "{:.0f}%"),
-                _reading(g.temperature, "{:.0f} °C"),
-                _unknown() if g.power is None else f"{g.power:.0f}{cap} W",
-            )
-            for p in g.processes or ():
-                procs.add_row(str(g.smi_index), str(p.pid), p.name or "?", format_bytes(p.memory))
-        parts.append(gpus)
-        if procs.row_count:
-            parts.append(procs)
-        else:
-            parts.append(Text("no process is using a GPU", style="dim"))
-    for note in r.notes:
-        parts.append(Text(note, style="yellow"))
-    return Group(*parts)

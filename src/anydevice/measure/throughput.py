@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anydevice.errors import MeasurementError
+from anydevice.hardware import pulse
 from anydevice.hardware.backends import runtime
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
@@ -492,6 +493,7 @@ class Throughput:
                 _pick(flops, self.flops_per_step),
             )
         )
+        pulse.tick("meter", self._device)  # this process's heartbeat: anydevice top
 
     def _see_autocast(self, dev: torch.device) -> None:
         dtype = _autocast_dtype(dev)

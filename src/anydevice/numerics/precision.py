@@ -40,6 +40,7 @@ import torch
 from torch.optim import Optimizer
 
 from anydevice.errors import PrecisionError, StepOrderError
+from anydevice.hardware import pulse
 from anydevice.hardware.facts import DeviceInfo
 from anydevice.hardware.selection import describe
 from anydevice.hardware.spec import DeviceLike
@@ -485,6 +486,7 @@ class Precision:
             result = StepResult(before, scaler.scale(self._unit()))
         self._unscaled.clear()
         self._backward_seen = False
+        pulse.tick("optimizer", self.device)  # this process's heartbeat: anydevice top
         return result
 
     def _unit(self) -> torch.Tensor:

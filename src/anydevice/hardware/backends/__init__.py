@@ -15,6 +15,12 @@ Modules:
   :mod:`~anydevice.hardware.backends.xla` — Apple, Intel, XLA devices.
 * :mod:`~anydevice.hardware.backends.generic` — any other accelerator torch knows.
 * :mod:`~anydevice.hardware.backends.torch_private` — torch's private names, in one place.
+* :mod:`~anydevice.hardware.backends.watch` — every accelerator read live for
+  ``anydevice top``, each through its vendor's reader: NVML;
+  :mod:`~anydevice.hardware.backends.amdsmi` (AMD's library);
+  :mod:`~anydevice.hardware.backends.drm` (the kernel's DRM cards and fdinfo: AMD, Intel);
+  :mod:`~anydevice.hardware.backends.xpusmi` (Intel's xpu-smi);
+  :mod:`~anydevice.hardware.backends.ioreg` (Apple silicon's I/O Registry).
 """
 
 from __future__ import annotations

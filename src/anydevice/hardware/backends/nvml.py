@@ -49,6 +49,8 @@ class GpuRecord:
     pcie_generation: int | None = None
     pcie_width: int | None = None
     processes: tuple[ProcessInfo, ...] | None = None
+    #: pid -> SM utilisation in percent over NVML's last samples (None: not supported)
+    process_utilization: dict[int, float] | None = None
     mig_enabled: bool = False
     mig_devices: tuple[GpuRecord, ...] = ()  #: for a MIG-enabled GPU, its MIG devices
     mig_parent: str | None = None  #: for a MIG device, the parent GPU's UUID
@@ -88,6 +90,11 @@ class NvmlReader:
         self._library = library
         self._static: DriverInfo | None = None
         self._unavailable: NvmlUnavailable | None = None
+
+    @property
+    def library(self) -> Any | None:
+        """The NVML binding this reader was given; None: pynvml, imported on first read."""
+        return self._library
 
     def read(self, *, telemetry: bool = True) -> DriverInfo:
         """Read every GPU NVML sees now, in nvidia-smi order.
@@ -186,6 +193,7 @@ _LIVE: dict[str, Any] = {
     "power": None,
     "power_limit": None,
     "processes": None,
+    "process_utilization": None,
 }
 
 
@@ -334,6 +342,7 @@ def _read_common(nv: Any, h: Any, smi_index: int, telemetry: bool) -> dict[str, 
         limit = _maybe(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h))
         out["power_limit"] = limit / 1000.0 if limit is not None else None
         out["processes"] = _processes(nv, h)
+        out["process_utilization"] = _process_utilization(nv, h)
     out["pcie_generation"] = _maybe(lambda: nv.nvmlDeviceGetMaxPcieLinkGeneration(h))
     out["pcie_width"] = _maybe(lambda: nv.nvmlDeviceGetMaxPcieLinkWidth(h))
     return out
@@ -397,6 +406,20 @@ def _processes(nv: Any, h: Any) -> tuple[ProcessInfo, ...] | None:
             memory = int(used) if isinstance(used, int) and used < 2**63 else None
             seen.setdefault(int(p.pid), ProcessInfo(int(p.pid), _process_name(int(p.pid)), memory))
     return tuple(seen.values()) if any_ok else None
+
+
+def _process_utilization(nv: Any, h: Any) -> dict[int, float] | None:
+    """Each process's SM utilisation in NVML's newest sample of it (what nvitop's %SM
+    column shows); None where the GPU or driver does not keep the samples."""
+    samples = _maybe(lambda: nv.nvmlDeviceGetProcessUtilization(h, 0))
+    if samples is None:
+        return None
+    newest: dict[int, tuple[int, float]] = {}
+    for p in samples:
+        pid, stamp, sm = int(p.pid), int(getattr(p, "timeStamp", 0)), float(p.smUtil)
+        if pid not in newest or stamp >= newest[pid][0]:
+            newest[pid] = (stamp, sm)
+    return {pid: min(100.0, sm) for pid, (_, sm) in newest.items()}
 
 
 def _process_name(pid: int) -> str | None:
