@@ -189,6 +189,10 @@ def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preem
     assert 8 <= took < 30, took  # the save's 8 s, not the 30 s grace
     assert "Preempt" in err or "preempt" in err, err
     assert "no Python traceback" not in err, err
+    assert (  # where the grace is set, in both spellings
+        "waiting up to 30 s for the workers to exit (ad.launch(grace=...), anydevice launch "
+        "--grace); a second signal stops them now." in err
+    ), err
 
 
 #: Rank 1 closes its stdout, then prints; rank 0 waits for it in a barrier.
