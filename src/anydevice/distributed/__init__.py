@@ -6,6 +6,7 @@
 * :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
+* :mod:`~anydevice.distributed.output` — a worker's output in whole lines.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
 * :mod:`~anydevice.distributed.parallel` — ``prepare()`` / ``unwrap()``: DDP, DP, samplers.
 * :mod:`~anydevice.distributed.accumulation` — ``d.accumulate()``: micro-batches that make

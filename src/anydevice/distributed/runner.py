@@ -3,6 +3,8 @@
 
 Every worker anydevice starts goes through :func:`worker`, which
 
+* **writes whole lines**: ``sys.stdout`` and ``sys.stderr`` write each line in one piece
+  (:mod:`~anydevice.distributed.output`), so the ranks' lines never cut into each other;
 * **dies with its launcher**: ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a thread watching
   the parent elsewhere; a launcher killed with SIGKILL leaves no worker running;
 * **dumps its Python stacks when it is stopped**: ``faulthandler`` on SIGTERM, into a file
@@ -67,6 +69,9 @@ def worker() -> Iterator[None]:
     if os.environ.get(FORKED) == "1":
         _one_thread_after_fork()
     if launched:
+        from anydevice.distributed import output
+
+        output.install()
         _keep_inherited_pipes()
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
