@@ -177,7 +177,7 @@ def test_every_rank_line_arrives_whole_under_anydevice_launch_and_ad_launch(tmp_
     """2198–3096 of 4000 lines arrived merged under `anydevice launch` ("rank 1 line
     0rank 0 line 51"): `python -u` wrote each line's text and newline apart."""
     script, driver = tmp_path / "lines.py", tmp_path / "driver.py"
-    script.write_text(SCRIPT + '\nmain(sys.argv[1])\n')
+    script.write_text(SCRIPT + "\nmain(sys.argv[1])\n")
     driver.write_text(DRIVER.format(script=textwrap.dedent(SCRIPT)))
     runs = {}
     with process_tree_guard():

@@ -135,7 +135,7 @@ def install() -> None:
     """
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        if stream is None or stream is not getattr(sys, f"__{name}__", None):
+        if not isinstance(stream, io.TextIOWrapper) or stream is not getattr(sys, f"__{name}__"):
             continue
         try:
             fd = stream.fileno()
