@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, MutableMapping, Sequence
@@ -171,13 +172,26 @@ def _positive_int(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
+    value = _finite(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
+
+
+def _seconds(text: str) -> float:
+    value = _finite(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    return value
+
+
+def _finite(text: str) -> float:
+    """``text`` as a finite number; NaN (which no comparison passes) where it is none."""
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value if math.isfinite(value) else math.nan
 
 
 def _percent(text: str) -> float:
@@ -394,7 +408,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="S",
         help="seconds the workers get to save and exit after a signal reaches the launcher "
@@ -463,8 +477,10 @@ def _whole_number(text: str) -> int:
 
 def _endpoint(text: str) -> str:
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. 10.0.0.1:29400")
+    if not sep or not host or host.split() != [host] or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not HOST:PORT with a port up to 65535, e.g. 10.0.0.1:29400"
+        )
     return text.strip()
 
 
@@ -575,8 +591,25 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not args.verbose:
         quiet_lookup_warnings()
+    from anydevice.distributed import arguments
     from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
+
+    try:  # what the parser's types cannot see: bounds, and flags that must agree
+        arguments.check(
+            nprocs=args.nprocs,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            run_id=args.rdzv_id,
+            max_restarts=args.max_restarts,
+            timeout=args.timeout,
+            grace=args.grace,
+            local_addr=args.local_addr,
+            log_dir=args.log_dir,  # last: it is made if missing
+        )
+    except DistributedError as e:
+        args._launch_parser.error(str(e))  # exits 2, as a bad flag does
 
     def stop(signum: int, frame: object) -> None:  # before and after the agent's own
         raise SystemExit(128 + signum)
