@@ -2,6 +2,7 @@
 
 * :mod:`~anydevice.distributed.environment` — which launcher started this process (pure).
 * :mod:`~anydevice.distributed.elastic` — ``launch()`` through torch's elastic agent.
+* :mod:`~anydevice.distributed.arguments` — what ``launch()`` takes, checked before it starts.
 * :mod:`~anydevice.distributed.agent` — torch's agent run for a launch, under faults.
 * :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
