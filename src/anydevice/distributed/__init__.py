@@ -5,6 +5,8 @@
 * :mod:`~anydevice.distributed.arguments` — what ``launch()`` takes, checked before it starts.
 * :mod:`~anydevice.distributed.agent` — torch's agent run for a launch, under faults.
 * :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
+* :mod:`~anydevice.distributed.tenants` — the runs that share a rendezvous store: another
+  run id named.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
 * :mod:`~anydevice.distributed.output` — a worker's output in whole lines.
