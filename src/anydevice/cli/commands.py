@@ -591,25 +591,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not args.verbose:
         quiet_lookup_warnings()
-    from anydevice.distributed import arguments
     from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
-
-    try:  # what the parser's types cannot see: bounds, and flags that must agree
-        arguments.check(
-            nprocs=args.nprocs,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            run_id=args.rdzv_id,
-            max_restarts=args.max_restarts,
-            timeout=args.timeout,
-            grace=args.grace,
-            local_addr=args.local_addr,
-            log_dir=args.log_dir,  # last: it is made if missing
-        )
-    except DistributedError as e:
-        args._launch_parser.error(str(e))  # exits 2, as a bad flag does
 
     def stop(signum: int, frame: object) -> None:  # before and after the agent's own
         raise SystemExit(128 + signum)
@@ -636,7 +619,12 @@ def _launch(args: argparse.Namespace) -> int:
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return e.exitcode if e.exitcode > 0 else 128 - e.exitcode if e.exitcode < 0 else 1
-    except (DistributedError, ValueError, LookupError, OSError) as e:
+    except DistributedError as e:
+        if getattr(e, "argument", None):  # a flag ad.launch refuses: what the parser missed
+            args._launch_parser.error(str(e))  # exits 2, as a bad flag does
+        print(f"anydevice launch: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, LookupError, OSError) as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

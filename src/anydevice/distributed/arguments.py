@@ -6,6 +6,9 @@ both spellings (``timeout=``, ``--timeout``), the value given, and what to give 
     timeout=inf (--timeout): give the seconds any wait of the launcher may last, a number
     above 0 and at most 31536000 (365 days); the default is 300.
 
+Each such error carries the argument's name as ``.argument``, so that the command line
+can answer it as a bad flag (exit 2, with the usage line).
+
 A number is a real number, not its text (``timeout="5"`` is refused: the command line
 parses its own), and never a bool; a count is a whole number (``2.0`` is refused). What has
 no meaning is refused rather than quietly replaced: NaN, infinities, waits longer than a
@@ -151,32 +154,43 @@ def node_range(value: object) -> tuple[int, int]:
 
 def _fn(value: object, given: Mapping[str, Any]) -> None:
     if not callable(value):
-        raise DistributedError(
-            f"ad.launch({value!r}, ...): the first argument is the function each worker "
-            f"runs, and a {type(value).__name__} cannot be called. Pass the function itself, "
-            "e.g. ad.launch(train, nprocs=2)."
+        raise _naming(
+            "fn",
+            DistributedError(
+                f"ad.launch({value!r}, ...): the first argument is the function each worker "
+                f"runs, and a {type(value).__name__} cannot be called. Pass the function itself, "
+                "e.g. ad.launch(train, nprocs=2)."
+            ),
         )
 
 
 def _target(value: object, given: Mapping[str, Any]) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise DistributedError(
-            f"target={value!r}: give the script to run (a path), or with module=True the "
-            "module's name."
+        raise _naming(
+            "target",
+            DistributedError(
+                f"target={value!r}: give the script to run (a path), or with module=True the "
+                "module's name."
+            ),
         )
 
 
 def _args(value: object, given: Mapping[str, Any]) -> None:
     if not isinstance(value, (list, tuple)) or not all(isinstance(a, str) for a in value):
-        raise DistributedError(
-            f"args={value!r}: give the script's arguments as a list of strings, e.g. "
-            "['--lr', '0.1']."
+        raise _naming(
+            "args",
+            DistributedError(
+                f"args={value!r}: give the script's arguments as a list of strings, e.g. "
+                "['--lr', '0.1']."
+            ),
         )
 
 
 def _module(value: object, given: Mapping[str, Any]) -> None:
     if not isinstance(value, bool):
-        raise DistributedError(f"module={value!r}: give True (run a module) or False.")
+        raise _naming(
+            "module", DistributedError(f"module={value!r}: give True (run a module) or False.")
+        )
 
 
 def _nprocs(value: object, given: Mapping[str, Any]) -> None:
@@ -239,8 +253,11 @@ def _max_restarts(value: object, given: Mapping[str, Any]) -> None:
 
 def _start_method(value: object, given: Mapping[str, Any]) -> None:
     if value not in _START_METHODS:
-        raise DistributedError(
-            f"start_method={value!r}: use 'spawn' (the default), 'forkserver' or 'fork'."
+        raise _naming(
+            "start_method",
+            DistributedError(
+                f"start_method={value!r}: use 'spawn' (the default), 'forkserver' or 'fork'."
+            ),
         )
 
 
@@ -337,4 +354,11 @@ def _word(text: str) -> bool:
 
 def _refused(name: str, value: object, need: str) -> DistributedError:
     flag = _FLAGS.get(name)
-    return DistributedError(f"{name}={value!r}{f' ({flag})' if flag else ''}: {need}.")
+    return _naming(
+        name, DistributedError(f"{name}={value!r}{f' ({flag})' if flag else ''}: {need}.")
+    )
+
+
+def _naming(name: str, error: DistributedError) -> DistributedError:
+    error.argument = name  # type: ignore[attr-defined]  # read by the command line
+    return error
