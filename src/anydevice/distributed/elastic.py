@@ -176,10 +176,13 @@ def launch(
             the workers stopped for a preemption (``on_preempt`` ran on each, and they
             exited with 128 + the signal), with a line saying which rank the signal
             reached.
-        DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
-            ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``, a
-            script that calls ``launch`` outside ``if __name__ == "__main__":``, which
-            every ``spawn``/``forkserver`` worker would run again).
+        DistributedError: the launch cannot start as asked: an argument it does not take,
+            named with its value and what to give (:mod:`~anydevice.distributed.arguments`:
+            ``timeout=inf``, a port beyond 65535, an empty ``run_id``, ...), ``fn`` cannot
+            be pickled for ``spawn``, ``fork`` after CUDA was initialised, a missing
+            ``rdzv_endpoint``, a script that calls ``launch`` outside ``if __name__ ==
+            "__main__":``, which every ``spawn``/``forkserver`` worker would run again; or
+            the nodes came under different run ids (:mod:`~anydevice.distributed.tenants`).
         DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
         WorkerImportError: ``fn``, or something in ``args``, is defined in an interactive
             session (a notebook cell) that ``spawn``ed workers cannot import from.
