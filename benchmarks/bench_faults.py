@@ -13,6 +13,12 @@ pointed at a fresh folder, so that what a launch leaves there is seen:
 * **SIGKILL / SIGTERM / SIGINT to the launcher**: seconds until every worker is gone (or
   still running after 30 s), the exit code, how many lines it printed.
 * **listening**: the addresses the launcher and its workers listen on.
+* **lines**: 2 ranks print 2000 lines each at once (``print``, and ``sys.stdout.write`` in
+  pieces that now and then pause mid-line); how many of the 4000 arrive cut or merged.
+* **daemons**: SIGKILL to the launcher while both workers keep starting daemons that
+  double-fork with an empty environment; how many of them are still running 10 s later.
+* **run ids**: two nodes on 127.0.0.1 started with different run ids (``--rdzv-id``,
+  timeout 30 s); seconds to the exit, and whether each node's error names the other's id.
 
 ``python benchmarks/bench_faults.py [--runs 20] [--src DIR]``; ``--src`` runs another
 checkout's ``src`` (e.g. the code before a change) for comparison.
@@ -95,6 +101,42 @@ if "LISTEN" in os.environ:
         d.barrier()
     sys.exit(0)
 time.sleep(600)
+"""
+
+
+LINES = """\
+import os, sys, time
+folder, rank = sys.argv[1], os.environ["RANK"]
+open(os.path.join(folder, "ready" + rank), "w").close()
+while len([n for n in os.listdir(folder) if n.startswith("ready")]) < 2:
+    time.sleep(0.01)
+for i in range(2000):
+    if i % 2:
+        print(f"rank {rank} line {i}")
+    else:
+        sys.stdout.write(f"rank {rank} ")
+        if i % 10 == 0:
+            time.sleep(0.001)
+        sys.stdout.write(f"line {i}")
+        sys.stdout.write("\\n")
+"""
+
+DAEMONS = """\
+import os, sys, time
+folder, rank = sys.argv[1], os.environ["RANK"]
+open(os.path.join(folder, f"rank{rank}.pid"), "w").write(str(os.getpid()))
+n = 0
+while True:
+    n += 1
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            open(os.path.join(folder, f"d{rank}-{n}.daemon"), "w").write(str(os.getpid()))
+            os.execve("/bin/sleep", ["sleep", "60"], {})
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(0.02)
 """
 
 
@@ -308,6 +350,86 @@ def listening(folder: Path, src: str | None) -> dict[str, Any]:
     return out
 
 
+def lines(folder: Path, src: str | None) -> dict[str, Any]:
+    import re
+
+    (folder / "lines.py").write_text(LINES)
+    whole = re.compile(r"rank \d line \d+")
+    out = {}
+    for name, argv in launchers(folder / "lines.py", 2).items():
+        case = Case([*argv, "{notes}"], src)
+        res = case.finish()
+        got = res["out"].splitlines()
+        out[name] = {
+            "lines": len(got),
+            "cut_or_merged": sum(not whole.fullmatch(x) for x in got),
+            **case.left([], grace=1.0),
+        }
+        print(f"  lines  {name:<17} {out[name]}", flush=True)
+    return out
+
+
+def daemons(folder: Path, src: str | None) -> dict[str, Any]:
+    (folder / "daemons.py").write_text(DAEMONS)
+    out = {}
+    for name, argv in launchers(folder / "daemons.py", 2).items():
+        case = Case([*argv, "{notes}"], src)
+        workers = case.pids(2)
+        deadline = time.monotonic() + 60
+        while len(list(case.notes.glob("*.daemon"))) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(case.proc.pid, signal.SIGKILL)
+        time.sleep(10)
+        started = [int(p.read_text() or 0) for p in case.notes.glob("*.daemon")]
+        alive = [p for p in started if p and _running(p)]
+        running = [p for p in workers if _running(p)]
+        for pid in running:  # measured: now end them and all they started
+            os.kill(pid, signal.SIGKILL)
+        for pid in [int(p.read_text() or 0) for p in case.notes.glob("*.daemon")]:
+            if pid and _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        case.finish(timeout=60)
+        out[name] = {
+            "daemons_started": len(started),
+            "alive_10s_after": len(alive),
+            "workers_alive_10s_after": len(running),
+        }
+        print(f"  daemons {name:<16} {out[name]}", flush=True)
+    return out
+
+
+def run_ids(folder: Path, src: str | None) -> dict[str, Any]:
+    (folder / "sleep.py").write_text(SLEEP)
+    out = {}
+    for name in ("anydevice launch", "torchrun"):
+        port = free_port()
+        cases = []
+        for node, run_id in ((0, "alpha"), (1, "beta")):
+            if name == "torchrun":
+                extra = ["--nnodes", "2", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                         "--rdzv-conf", "join_timeout=30"]  # fmt: skip
+            else:
+                extra = ["--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                         f"127.0.0.1:{port}", "--rdzv-id", run_id, "--timeout", "30"]  # fmt: skip
+            argv = launchers(folder / "sleep.py", 1, *extra)[name]
+            cases.append(Case([*argv, "{notes}"], src))
+        ends = [c.finish(timeout=300) for c in cases]
+        for c in cases:
+            c.left([], grace=1.0)
+        out[name] = {
+            "seconds": [round(e["seconds"], 1) for e in ends],
+            "codes": [e["code"] for e in ends],
+            "names_the_other_id": [
+                other in e["err"].splitlines()[-1] if e["err"].strip() else False
+                for e, other in zip(ends, ("'beta'", "'alpha'"), strict=True)
+            ],
+            "stderr_lines": [len(e["err"].splitlines()) for e in ends],
+        }
+        print(f"  run ids {name:<16} {out[name]}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
@@ -321,7 +443,11 @@ def main() -> None:
         "hang": lambda: hang(folder, args.src),
         "unreachable": lambda: unreachable(folder, args.src),
         "signals": lambda: signals(folder, args.src),
+        "lines": lambda: lines(folder, args.src),
+        "daemons": lambda: daemons(folder, args.src),
+        "run_ids": lambda: run_ids(folder, args.src),
     }
+    load = os.getloadavg()[0]
     found = {k: fn() for k, fn in parts.items() if not args.only or k in args.only}
     name = "launch-faults" + (f"-{'-'.join(args.only)}" if args.only else "")
     result = Result(name + ("-src" if args.src else ""), "s")
@@ -333,7 +459,10 @@ def main() -> None:
         result.add(name, [r["seconds"]])
     for name, r in found.get("signals", {}).items():
         result.add(f"{name} (workers gone)", [r["workers_gone_s"] or float("inf")])
+    for name, r in found.get("run_ids", {}).items():
+        result.add(f"run ids / {name}", r["seconds"])
     result.notes.append("seconds from the fault to a clean error (or to the last worker gone)")
+    result.notes.append(f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
     result.extra = found
     save(result)
     print(json.dumps(found, indent=1, default=str)[:6000])

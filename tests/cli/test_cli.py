@@ -579,6 +579,13 @@ def test_launch_help_documents_m_with_the_positional_it_changes(capsys):
         (("--max-restarts", "-1"), "argument --max-restarts"),
         (("--node-rank", "x"), "argument --node-rank"),
         (("--rdzv-endpoint", "10.0.0.1"), "argument --rdzv-endpoint"),
+        (("--timeout", "inf"), "argument --timeout"),
+        (("--timeout", "-inf"), "argument --timeout"),
+        (("--grace", "nan"), "argument --grace"),
+        (("--grace", "-1"), "argument --grace"),
+        (("--grace", "inf"), "argument --grace"),
+        (("--rdzv-endpoint", "127.0.0.1:99999"), "argument --rdzv-endpoint"),
+        (("--rdzv-endpoint", "a b:80"), "argument --rdzv-endpoint"),
         (("--nnodes", "2"), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (("--nnodes", "1:3"), "--nnodes 1:3 needs --rdzv-endpoint HOST:PORT"),
     ],
@@ -589,6 +596,49 @@ def test_launch_refuses_bad_flags_in_the_parser_without_importing_torch(flags, n
     assert (torch_imported, code) == (False, 2), err
     assert named in err and "usage: anydevice launch" in err
     assert "='" not in err  # the flags' names, not Python keywords (nnodes='2')
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--timeout", "1e300"), "timeout=1e+300 (--timeout): give the seconds"),
+        (("--grace", str(2**63)), "grace=9.223372036854776e+18 (--grace): give the seconds"),
+        (("-n", "99999"), "nprocs=99999 (-n): give the processes per node"),
+        (("--rdzv-id", ""), "run_id='' (--rdzv-id): give the job's name"),
+        (("--rdzv-id", " job"), "run_id=' job' (--rdzv-id): give the job's name"),
+        (("--local-addr", ""), "local_addr='' (--local-addr): give this node's address"),
+        (
+            ("--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29400", "--timeout", "10"),
+            "node_rank=2 (--node-rank): give this node's rank, a whole number from 0 to 1",
+        ),
+        (
+            ("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:0", "--timeout", "10"),
+            "rdzv_endpoint='127.0.0.1:0' (--rdzv-endpoint): port 0 lets the system pick one",
+        ),
+    ],
+)
+def test_launch_refuses_flags_the_parser_cannot_judge_before_any_worker_starts(
+    flags, named, tmp_path, capsys
+):
+    """Bounds and flags that must agree: each was taken (a 1e300 s wait, an empty run id,
+    node rank 2 of 2 nodes) and the launch started."""
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", *flags, str(script)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert named in err and "usage: anydevice launch" in err, err
+
+
+def test_a_log_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    script, taken = tmp_path / "train.py", tmp_path / "taken"
+    script.write_text("raise SystemExit('a worker started')\n")
+    taken.write_text("")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--log-dir", str(taken), str(script)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "it is a file, not a folder" in err, err
 
 
 def test_a_launch_with_a_bad_anydevice_device_starts_no_worker(tmp_path):

@@ -10,6 +10,7 @@ import socket
 import psutil
 import pytest
 
+import anydevice as ad
 from anydevice.distributed import addressing
 from anydevice.distributed.addressing import interface_of, node_address, route_source
 from anydevice.distributed.elastic import _plan_here, plan
@@ -61,7 +62,9 @@ def test_local_addr_wins_over_the_route():
 
 
 def test_local_addr_not_of_this_machine_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"local_addr='203\.0\.113\.77'.*--local-addr.*ip -brief"):
+    with pytest.raises(
+        ad.DistributedError, match=r"local_addr='203\.0\.113\.77'.*--local-addr.*ip -brief"
+    ):
         node_address("127.0.0.1:29400", local_addr="203.0.113.77", environ={})
 
 

@@ -257,7 +257,8 @@ def test_a_failed_launch_leaves_nothing_behind(hung):
 @pytest.mark.slow
 def test_the_launcher_killed_or_stopped_takes_every_worker_with_it(tmp_path):
     """SIGKILL, SIGTERM and SIGINT to `anydevice launch`, and SIGINT to ad.launch, side
-    by side: every worker ends within 5 s, the launcher says one line, nothing is left."""
+    by side: every worker ends within 5 s, the launcher's last line says how it ended,
+    nothing is left."""
     script = tmp_path / "sleep.py"
     script.write_text(SLEEP)
     driver = tmp_path / "driver.py"
@@ -298,10 +299,13 @@ def test_the_launcher_killed_or_stopped_takes_every_worker_with_it(tmp_path):
     for name, expected in (("SIGTERM", 143), ("SIGINT", 130)):
         code, _, err, took = ended[name]
         assert code == expected, err
-        assert len(err.strip().splitlines()) == 1, err
-        assert (
-            f"anydevice launch: {'stopped by SIGTERM' if expected == 143 else 'interrupted'}" in err
-        )
+        # The last line says how it ended. A loaded machine may print the grace line first
+        # (the worker took over a second to exit); nothing else, and no traceback.
+        *before, last = err.strip().splitlines()
+        assert last.startswith(
+            f"anydevice launch: {'stopped by SIGTERM' if expected == 143 else 'interrupted'}"
+        ), err
+        assert all(line.startswith("anydevice: waiting up to 30 s") for line in before), err
         assert running(pids[name]) == []
         assert took < 15
     assert (api_code, api_out.strip()) == (7, "KeyboardInterrupt"), api_err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import operator
 import os
 import pickle
@@ -26,6 +27,7 @@ import torch
 
 import anydevice as ad
 import workers
+from anydevice.distributed import arguments
 from anydevice.distributed.elastic import plan, resolve_nprocs, scoped_environ
 from machines import gpu, machine
 from ranks import free_port, process_tree_guard
@@ -51,9 +53,9 @@ def test_nprocs_gpu_without_a_gpu_says_what_to_do():
     assert resolve_nprocs("gpu", machine(gpu(0), gpu(1))) == 2
 
 
-@pytest.mark.parametrize("bad", [0, -2, "many", True])
+@pytest.mark.parametrize("bad", [0, -2, "many", True, 1.5, 4097, "", None])
 def test_nprocs_rejects_what_is_not_a_count(bad):
-    with pytest.raises(ValueError, match="nprocs"):
+    with pytest.raises(ad.DistributedError, match=r"nprocs=.* \(-n\): give the processes"):
         resolve_nprocs(bad, machine())
 
 
@@ -138,7 +140,10 @@ def test_workers_share_the_cores_unless_omp_threads_is_set():
         ({"start_method": "thread"}, "spawn"),
         ({"max_restarts": -1}, "max_restarts"),
         ({"timeout": 0}, "timeout"),
-        ({"hang_after": -1}, "hang_after=-1: give the seconds .* 0 turns the hang watch off"),
+        (
+            {"hang_after": -1},
+            r"hang_after=-1 \(--hang-after\): give the seconds .*0 turns the hang watch off",
+        ),
         ({"hang_after": float("nan")}, "hang_after=nan"),
     ],
 )
@@ -174,6 +179,58 @@ def test_spawn_refuses_a_function_workers_cannot_import():
 def test_spawn_refuses_arguments_that_cannot_be_pickled():
     with pytest.raises(ad.DistributedError, match="picklable"):
         ad.launch(workers.fail_on, (x for x in range(3)), nprocs=2)
+
+
+#: Bad values for each argument of ad.launch (with what makes the rest well formed): each
+#: raised a raw TypeError, ValueError or OverflowError, or was taken (a wait of 1e300 s,
+#: a port beyond 65535, an empty run id, verbose="yes").
+_MULTI = {"nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400", "node_rank": 0}
+_BAD = [
+    *[("nprocs", v, {}) for v in (0, -2, 1.5, math.nan, True, None, "", "many", 2**63, [])],
+    *[("nnodes", v, {}) for v in (0, "0", "1:0", "x", 2.5, True, math.nan, None, 2**63, "")],
+    *[("node_rank", v, _MULTI) for v in (-1, True, 1.5, "0", math.nan, 2, 2**63)],
+    *[
+        ("rdzv_endpoint", v, {"nnodes": 2, "node_rank": 0})
+        for v in ("127.0.0.1:99999", "127.0.0.1:-1", ":80", "h:", "", 7, "a b:80", "h", b"h:1")
+    ],
+    ("rdzv_endpoint", "127.0.0.1:0", {"nnodes": 2, "node_rank": 1}),
+    *[("run_id", v, {}) for v in ("", "  ", " job", 7, b"x", "a\nb", "\0", True)],
+    *[("max_restarts", v, {}) for v in (-1, 1.5, math.nan, "1", True, None, math.inf)],
+    *[("start_method", v, {}) for v in ("", None, 7, "thread")],
+    *[
+        ("timeout", v, {})
+        for v in (math.nan, 0, -1, math.inf, -math.inf, 1e300, 2**63, "5", None, True)
+    ],
+    *[("grace", v, {}) for v in (math.nan, -1, math.inf, 1e300, 2**63, "5", None, True)],
+    *[("log_dir", v, {}) for v in ("", 7, __file__, b"\0", [])],
+    *[("verbose", v, {}) for v in ("yes", 2, None, "")],
+    *[("local_addr", v, _MULTI) for v in ("", "  ", 7, [])],
+]
+
+
+@pytest.mark.parametrize(("name", "value", "rest"), _BAD, ids=[f"{n}={v!r}" for n, v, _ in _BAD])
+def test_each_argument_of_launch_refuses_nonsense_naming_it_and_the_value(name, value, rest):
+    with pytest.raises(ad.DistributedError) as info:
+        ad.launch(workers.fail_on, 1, **{"nprocs": 1, **rest, name: value})
+    message = str(info.value)
+    assert f"{name}={value!r}" in message, message
+    assert "give" in message or "use" in message, message  # and what to do
+
+
+@pytest.mark.parametrize("fn", [None, 5, "workers.fail_on"])
+def test_launch_refuses_what_cannot_be_called(fn):
+    with pytest.raises(ad.DistributedError, match="cannot be called. Pass the function itself"):
+        ad.launch(fn, nprocs=1)
+
+
+def test_launch_takes_the_edges_of_each_range():
+    arguments.check(
+        nprocs=arguments.MOST_PROCESSES, nnodes=f"1:{arguments.MOST_NODES}", node_rank=0,
+        rdzv_endpoint="[::1]:65535", run_id="job 7", max_restarts=2**63, timeout=0.5,
+        grace=0, verbose=False, local_addr="10.0.0.1",
+    )  # fmt: skip
+    arguments.check(timeout=arguments.MOST_SECONDS, grace=arguments.MOST_SECONDS)
+    arguments.check(nnodes=1, rdzv_endpoint="127.0.0.1:0")  # one node: the OS picks
 
 
 # ----------------------------------------------------------------------------- in place

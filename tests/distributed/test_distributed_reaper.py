@@ -163,6 +163,73 @@ def test_sigkill_to_the_launcher_leaves_nothing_the_workers_started(tmp_path):
         _kill(kids)
 
 
+#: Each rank starts daemons without end, one every 20 ms: fork, new session, fork again,
+#: exec `sleep 60` with an empty environment (nothing marks it as the launch's), the
+#: parent exits. Each daemon's pid is written first; each holds the launch's stdout.
+DAEMONS = """\
+import os, sys, time
+folder = sys.argv[1]
+rank = os.environ["RANK"]
+n = 0
+while True:
+    n += 1
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            path = os.path.join(folder, f"{rank}-{n}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path + ".pid")
+            os.execve("/bin/sleep", ["sleep", "60"], {})
+        os._exit(0)
+    os.waitpid(pid, 0)
+    time.sleep(0.02)
+"""
+
+
+def test_sigkill_to_the_launcher_ends_daemons_started_with_an_empty_environment(tmp_path):
+    """SIGKILL to the launcher while both workers keep starting daemons that nothing
+    marks: those started since the guardian's last look went to init and lived on (4 of
+    12), holding the launch's stdout open. Now the workers stop as the launcher dies, and
+    the guardian ends their whole trees: the output ends, and no daemon is left."""
+    script = tmp_path / "daemons.py"
+    script.write_text(DAEMONS)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(folder)]
+    proc = _start(argv, tmp_path)
+    daemons: list[int] = []
+    workers: list[int] = []
+    try:
+        with process_tree_guard():
+            deadline = time.monotonic() + 150
+            while len({p.name[0] for p in folder.glob("*.pid")}) < 2:  # both ranks at it
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "the workers did not start"
+                time.sleep(0.1)
+            time.sleep(1)  # many daemons, some started since the guardian's last look
+            workers = [c.pid for c in psutil.Process(proc.pid).children() if "daemons.py"
+                       in " ".join(c.cmdline())]  # fmt: skip
+            os.kill(proc.pid, signal.SIGKILL)
+            try:  # until every holder of the launch's stdout and stderr is gone
+                proc.communicate(timeout=30)
+                held = ""
+            except subprocess.TimeoutExpired:
+                held = "the launch's output was still held open 30 s after the launcher died"
+            daemons = [int(p.read_text()) for p in folder.glob("*.pid")]
+            assert len(daemons) >= 10, daemons
+            left = _gone_within(daemons + workers, 15)
+            assert not held, held
+            assert left == [], f"{len(left)} of {len(daemons)} daemons outlived the launch"
+            assert len(workers) == 2
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _kill(daemons + [int(p.read_text()) for p in folder.glob("*.pid")] + workers)
+
+
 def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preemption(
     tmp_path,
 ):
@@ -189,6 +256,10 @@ def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preem
     assert 8 <= took < 90, took  # the save's 8 s, not the 300 s grace
     assert "Preempt" in err or "preempt" in err, err
     assert "no Python traceback" not in err, err
+    assert (  # where the grace is set, in both spellings
+        "waiting up to 30 s for the workers to exit (ad.launch(grace=...), anydevice launch "
+        "--grace); a second signal stops them now." in err
+    ), err
 
 
 #: Rank 1 closes its stdout, then prints; rank 0 waits for it in a barrier.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, MutableMapping, Sequence
@@ -130,25 +131,26 @@ def _positive_int(text: str) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
+    value = _finite(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
     return value
 
 
-def _seconds_or_off(text: str) -> float:
+def _seconds(text: str) -> float:
+    value = _finite(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds, 0 or more")
+    return value
+
+
+def _finite(text: str) -> float:
+    """``text`` as a finite number; NaN (which no comparison passes) where it is none."""
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of seconds (0 or more; 0 turns the hang watch off)"
-        )
-    return value
+        return math.nan
+    return value if math.isfinite(value) else math.nan
 
 
 def _percent(text: str) -> float:
@@ -380,7 +382,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=30.0,
         metavar="S",
         help="seconds the workers get to save and exit after a signal reaches the launcher "
@@ -390,7 +392,7 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hang-after",
         dest="hang_after",
-        type=_seconds_or_off,
+        type=_seconds,
         default=30.0,
         metavar="S",
         help="seconds a rank may wait in one collective before the launch says which rank "
@@ -460,8 +462,10 @@ def _whole_number(text: str) -> int:
 
 def _endpoint(text: str) -> str:
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. 10.0.0.1:29400")
+    if not sep or not host or host.split() != [host] or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not HOST:PORT with a port up to 65535, e.g. 10.0.0.1:29400"
+        )
     return text.strip()
 
 
@@ -601,7 +605,12 @@ def _launch(args: argparse.Namespace) -> int:
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return e.exitcode if e.exitcode > 0 else 128 - e.exitcode if e.exitcode < 0 else 1
-    except (DistributedError, ValueError, LookupError, OSError) as e:
+    except DistributedError as e:
+        if getattr(e, "argument", None):  # a flag ad.launch refuses: what the parser missed
+            args._launch_parser.error(str(e))  # exits 2, as a bad flag does
+        print(f"anydevice launch: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, LookupError, OSError) as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -2,8 +2,11 @@
 
 * :mod:`~anydevice.distributed.environment` — which launcher started this process (pure).
 * :mod:`~anydevice.distributed.elastic` — ``launch()`` through torch's elastic agent.
+* :mod:`~anydevice.distributed.arguments` — what ``launch()`` takes, checked before it starts.
 * :mod:`~anydevice.distributed.agent` — torch's agent run for a launch, under faults.
 * :mod:`~anydevice.distributed.rendezvous` — where the nodes meet, every wait bounded.
+* :mod:`~anydevice.distributed.tenants` — the runs that share a rendezvous store: another
+  run id named.
 * :mod:`~anydevice.distributed.failures` — which worker's failure is the root cause.
 * :mod:`~anydevice.distributed.hangwatch` — the launcher's hang watch: every rank's state,
   one verdict when the job makes no progress.
@@ -12,6 +15,7 @@
 * :mod:`~anydevice.distributed.progress` — a rank's side: the collective it is in, from
   torch's flight recorder, published in its heartbeat.
 * :mod:`~anydevice.distributed.runner` — how ``anydevice launch`` runs a script per worker.
+* :mod:`~anydevice.distributed.output` — a worker's output in whole lines.
 * :mod:`~anydevice.distributed.context` — ``with distributed() as d:``.
 * :mod:`~anydevice.distributed.parallel` — ``prepare()`` / ``unwrap()``: DDP, DP, samplers.
 * :mod:`~anydevice.distributed.accumulation` — ``d.accumulate()``: micro-batches that make

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from anydevice.errors import DistributedTimeoutError
+from anydevice.errors import DistributedError, DistributedTimeoutError
 
 if TYPE_CHECKING:
     from anydevice.distributed.elastic import LaunchPlan
@@ -130,7 +130,7 @@ def node_address(
         hostname, and the rendezvous' own error says the endpoint is unreachable).
 
     Raises:
-        ValueError: ``local_addr`` is not an address of this machine.
+        DistributedError: ``local_addr`` is not an address of this machine.
     """
     env = os.environ if environ is None else environ
     host, _, port = rdzv_endpoint.rpartition(":")
@@ -138,7 +138,7 @@ def node_address(
         addr = local_addr.strip()
         interface = interface_of(addr)
         if interface is None and _resolved(addr) is None:
-            raise ValueError(
+            raise DistributedError(
                 f"local_addr={local_addr!r} (--local-addr) is not an address or name of this "
                 "machine: give the address of the interface the other nodes reach, e.g. "
                 "the one `ip -brief addr` lists for the network they share."
@@ -175,7 +175,7 @@ def settle(chosen: LaunchPlan, local_addr: str | None = None) -> LaunchPlan:
     loopback address, keep loopback as :func:`~anydevice.distributed.elastic.plan` chose.
 
     Raises:
-        ValueError: ``local_addr`` is not an address of this machine.
+        DistributedError: ``local_addr`` is not an address of this machine.
     """
     if chosen.standalone and not local_addr:
         return chosen

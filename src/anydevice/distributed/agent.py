@@ -67,6 +67,9 @@ class Preempted(SystemExit):
         self.report = report
 
 
+#: Where the workers' time to exit after a signal is set, as the messages name it.
+_GRACE_SETTING = "ad.launch(grace=...), anydevice launch --grace"
+
 #: Torch's NCCL flight recorder: each rank's last collectives, dumped on a timeout.
 _FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
@@ -409,20 +412,21 @@ def _agent_type() -> type[Any]:
             ):
                 if not said and time.monotonic() - start > 1:
                     logger.warning(
-                        "anydevice: waiting up to %g s for the workers to exit (grace=, "
-                        "--grace); a second signal stops them now.",
+                        "anydevice: waiting up to %g s for the workers to exit (%s); a second "
+                        "signal stops them now.",
                         self.grace,
+                        _GRACE_SETTING,
                     )
                     said = True
                 time.sleep(0.05)
             self.took = time.monotonic() - start
             if left:
                 logger.warning(
-                    "anydevice: %d worker(s) still running %g s after %s (grace=, --grace): "
-                    "killing them.",
+                    "anydevice: %d worker(s) still running %g s after %s (%s): killing them.",
                     len(left),
                     self.grace,
                     sig.name,
+                    _GRACE_SETTING,
                 )
             return left
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from anydevice.distributed import addressing, environment
+from anydevice.distributed import addressing, arguments, environment
 from anydevice.distributed.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.distributed.environment import World
 from anydevice.errors import DeviceNotFoundError, DistributedError
@@ -184,15 +184,34 @@ def launch(
             the workers stopped for a preemption (``on_preempt`` ran on each, and they
             exited with 128 + the signal), with a line saying which rank the signal
             reached.
-        DistributedError: the launch cannot start as asked (``fn`` cannot be pickled for
-            ``spawn``, ``fork`` after CUDA was initialised, a missing ``rdzv_endpoint``, a
-            script that calls ``launch`` outside ``if __name__ == "__main__":``, which
-            every ``spawn``/``forkserver`` worker would run again).
+        DistributedError: the launch cannot start as asked: an argument it does not take,
+            named with its value and what to give (:mod:`~anydevice.distributed.arguments`:
+            ``timeout=inf``, a port beyond 65535, an empty ``run_id``, ...), ``fn`` cannot
+            be pickled for ``spawn``, ``fork`` after CUDA was initialised, a missing
+            ``rdzv_endpoint``, a script that calls ``launch`` outside ``if __name__ ==
+            "__main__":``, which every ``spawn``/``forkserver`` worker would run again; or
+            the nodes came under different run ids (:mod:`~anydevice.distributed.tenants`).
         DeviceNotFoundError: ``nprocs="gpu"`` on a machine without a GPU.
         WorkerImportError: ``fn``, or something in ``args``, is defined in an interactive
             session (a notebook cell) that ``spawn``ed workers cannot import from.
     """
     _refuse_while_a_worker_starts()
+    arguments.check(
+        fn=fn,
+        nprocs=nprocs,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        start_method=start_method,
+        timeout=timeout,
+        grace=grace,
+        hang_after=hang_after,
+        verbose=verbose,
+        local_addr=local_addr,
+        log_dir=log_dir,  # last: it is made if missing
+    )
     world = environment.detect()
     if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
         return _run_in_place(fn, args, world, nprocs)
@@ -251,6 +270,23 @@ def launch_script(
     Raises:
         FileNotFoundError: there is no such script.
     """
+    arguments.check(
+        target=target,
+        args=args,
+        module=module,
+        nprocs=nprocs,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        timeout=timeout,
+        grace=grace,
+        hang_after=hang_after,
+        verbose=verbose,
+        local_addr=local_addr,
+        log_dir=log_dir,  # last: it is made if missing
+    )
     if not module and not os.path.isfile(target):
         raise FileNotFoundError(f"No script {target!r} (in {os.getcwd()}).")
     world = environment.detect()
@@ -288,28 +324,20 @@ def resolve_nprocs(nprocs: int | str, inv: Inventory) -> int:
 
     Raises:
         DeviceNotFoundError: ``"gpu"`` on a machine without a GPU.
-        ValueError: not a positive int, ``"auto"`` or ``"gpu"``.
+        DistributedError: not a count from 1 to 4096, ``"auto"`` or ``"gpu"``.
     """
-    if isinstance(nprocs, bool):
-        raise ValueError(f"nprocs must be a positive int, 'auto' or 'gpu', not {nprocs!r}")
-    if isinstance(nprocs, str) and nprocs.strip().isdigit():
-        nprocs = int(nprocs)
-    if isinstance(nprocs, int):
-        if nprocs < 1:
-            raise ValueError(f"nprocs must be at least 1 (got {nprocs}).")
-        return nprocs
-    kind = str(nprocs).strip().lower()
+    count = arguments.process_count(nprocs)
+    if isinstance(count, int):
+        return count
     gpus = inv.of_kind("cuda") or inv.of_kind("xpu")
-    if kind == "auto":
+    if count == "auto":
         return max(1, len(gpus))
-    if kind == "gpu":
-        if not gpus:
-            raise DeviceNotFoundError(
-                "nprocs='gpu' asks for one process per GPU, but no CUDA or XPU device is "
-                "visible here. Pass nprocs=N for N CPU processes, or nprocs='auto'."
-            )
-        return len(gpus)
-    raise ValueError(f"nprocs must be a positive int, 'auto' or 'gpu', not {nprocs!r}")
+    if not gpus:
+        raise DeviceNotFoundError(
+            "nprocs='gpu' asks for one process per GPU, but no CUDA or XPU device is "
+            "visible here. Pass nprocs=N for N CPU processes, or nprocs='auto'."
+        )
+    return len(gpus)
 
 
 def plan(
@@ -337,30 +365,24 @@ def plan(
     {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
 
     Raises:
-        DistributedError: ``nnodes > 1`` without ``rdzv_endpoint``, a malformed node range
-            or endpoint, or ``start_method`` not one of spawn, forkserver, fork.
+        DistributedError: ``nnodes > 1`` without ``rdzv_endpoint``, or an argument that
+            :func:`~anydevice.distributed.arguments.check` refuses (a malformed node range
+            or endpoint, a ``start_method`` not one of spawn, forkserver, fork, ...).
     """
     env = os.environ if environ is None else environ
-    min_nodes, max_nodes = _node_range(nnodes)
-    if start_method not in ("spawn", "forkserver", "fork"):
-        raise DistributedError(
-            f"start_method={start_method!r}: use 'spawn' (default), 'forkserver' or 'fork'."
-        )
-    if max_restarts < 0:
-        raise DistributedError(f"max_restarts must be >= 0 (got {max_restarts}).")
-    if timeout <= 0:
-        raise DistributedError(f"timeout must be a positive number of seconds (got {timeout}).")
-    if not 0 <= grace < float("inf"):
-        raise DistributedError(
-            f"grace={grace!r}: give the seconds the workers may take to exit after a signal, "
-            "0 or more (default 30)."
-        )
-    if not 0 <= hang_after < float("inf"):
-        raise DistributedError(
-            f"hang_after={hang_after!r}: give the seconds a rank may wait in one collective "
-            "before the launch says why the job makes no progress, 0 or more (default 30; "
-            "0 turns the hang watch off)."
-        )
+    arguments.check(
+        nprocs=nprocs,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        start_method=start_method,
+        timeout=timeout,
+        grace=grace,
+        hang_after=hang_after,
+    )
+    min_nodes, max_nodes = arguments.node_range(nnodes)
     configs: dict[str, Any] = {"join_timeout": int(max(1, round(timeout)))}
     local_addr: str | None
     if max_nodes == 1 and rdzv_endpoint is None:
@@ -449,24 +471,8 @@ def _inventory() -> Inventory:
     return inventory(telemetry=False, kinds=("cuda", "xpu", "cpu"))
 
 
-def _node_range(nnodes: int | str) -> tuple[int, int]:
-    text = str(nnodes).strip()
-    lo, sep, hi = text.partition(":")
-    if not lo.isdigit() or (sep and not hi.isdigit()):
-        raise DistributedError(f"nnodes={nnodes!r}: write a number of nodes, or 'MIN:MAX'.")
-    low, high = int(lo), int(hi if sep else lo)
-    if not 1 <= low <= high:
-        raise DistributedError(f"nnodes={nnodes!r}: need 1 <= MIN <= MAX.")
-    return low, high
-
-
 def _endpoint_host(endpoint: str) -> str:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise DistributedError(
-            f"rdzv_endpoint={endpoint!r}: write HOST:PORT, e.g. '10.0.0.1:29400'."
-        )
-    return host
+    return endpoint.rpartition(":")[0]  # a well-formed HOST:PORT (arguments.check)
 
 
 def _is_slurm_node_launcher(world: World, nprocs: int | str) -> bool:

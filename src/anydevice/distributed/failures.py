@@ -89,6 +89,9 @@ _STARTING_FRAMES = (
     "<string>",
 )
 
+#: The frames that write a rank's output in whole lines (left off the bottom of a trace).
+_WRITING_FRAME = "anydevice/distributed/output.py"
+
 #: What a rank that NCCL's watchdog aborted (SIGABRT, with a flight recorder dump) says.
 _WATCHDOG = "NCCL's watchdog aborted it: a collective timed out (its flight record was dumped)"
 
@@ -122,9 +125,16 @@ def record(error: BaseException, path: str | None = None) -> bool:
     ``...timestamp`` in whole seconds) with an ``anydevice`` entry: ``time`` (seconds, as
     ``time.time()``), ``consequence`` and ``pid``. The traceback starts at the user's
     first frame: the frames that started the rank (the runner, ``runpy``, the
-    ``ad.distributed`` block's own) are left off its top.
+    ``ad.distributed`` block's own) are left off its top, and those that wrote its output
+    for it (:mod:`~anydevice.distributed.output`) off its bottom: a print to a closed
+    stdout ends at the ``print``, as it would without them.
     """
-    trace = "".join(tb.format_exception(type(error), error, _users_frames(error)))
+    exception = tb.TracebackException(type(error), error, _users_frames(error))
+    while len(exception.stack) > 1 and _WRITING_FRAME in exception.stack[-1].filename.replace(
+        "\\", "/"
+    ):
+        exception.stack.pop()
+    trace = "".join(exception.format())
     return _write(
         path,
         f"{type(error).__name__}: {error}",

@@ -3,22 +3,31 @@
 Workers start processes of their own — a DataLoader's workers, a tokenizer server,
 ``subprocess.Popen``, a daemon that double-forks, a child in a session of its own — and
 those would hold the launch's output open (``anydevice launch ... | cat`` would end only
-when they do), its ports and its devices. Two parts see that they end, however the launch
-ends:
+when they do), its ports and its devices. Three parts see that they end, however the
+launch ends:
 
 * **The launcher** is a *child subreaper* for the launch (Linux ``PR_SET_CHILD_SUBREAPER``,
-  :func:`subreaper`): a process orphaned anywhere under it — the grandchild of a daemon's
-  double fork, the child of a worker that died — is re-parented to the launcher instead of
-  to init, so the launch's processes stay one tree under it. When the launch ends (exit 0,
+  :func:`subreaper`): a process orphaned under it — the child of a worker that ended —
+  is re-parented to the launcher instead of to init, so the launch's processes stay one
+  tree under it. When the launch ends (exit 0,
   a failure, a raise, SIGTERM, SIGINT) the launcher freezes that tree (SIGSTOP, so nothing
   forks while it looks), ends it (SIGKILL), reaps what became its children, and says in
   one line how many it ended.
+* **Each worker** is a child subreaper too (:mod:`~anydevice.distributed.runner`), so what
+  it starts stays under it, and it is *stopped* (SIGSTOP through ``PR_SET_PDEATHSIG``) the
+  moment the launcher dies, even by SIGKILL: it starts nothing more, and its tree stays
+  whole — a daemon that double-forked a moment ago with an empty environment included —
+  for the guardian to end. (Killed there and then, it would have left that daemon to
+  init, with nothing to tie it to the launch.)
 * **The guardian** (:func:`guard`), a small process the launcher starts first, ends them
   when the launcher cannot: killed with SIGKILL. While the launch runs it notes the
   launcher's tree twice a second; when the launcher is gone without having said that it
-  was done, it ends the processes it noted and every process whose environment carries
-  the launch's mark (``ANYDEVICE_LAUNCH_DIR=<the launch's directory>``, which whatever the
-  workers start inherits), then removes the launch's directory.
+  was done, it ends every process whose environment carries the launch's mark
+  (``ANYDEVICE_LAUNCH_DIR=<the launch's directory>``: the workers, and what they start
+  unless it clears its environment) and those it noted, each with its whole tree — the
+  stopped workers' trees are all the workers started — then removes the launch's
+  directory. What a worker that had ended left to the launcher goes to init with the
+  launcher; the guardian noted it, and ends it with what is under it when it looks.
 
 Spared: the launcher's children from before the launch (``ad.launch`` runs in the user's
 own process) with their trees, the guardian, and Python's own helpers (multiprocessing's
@@ -46,7 +55,17 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-__all__ = ["MARK", "Entry", "end", "entry", "guard", "subreaper", "table", "tree"]
+__all__ = [
+    "MARK",
+    "Entry",
+    "become_subreaper",
+    "end",
+    "entry",
+    "guard",
+    "subreaper",
+    "table",
+    "tree",
+]
 
 logger = logging.getLogger("anydevice")
 
@@ -129,7 +148,9 @@ def end(found: dict[int, int], *, spare: Iterable[int] = ()) -> Counter[str]:
 
     Freezes first (SIGSTOP), looking again until nothing new appears, so a process cannot
     fork a child past the sweep; then SIGKILL; then reaps those that became this process's
-    children (a subreaper's duty) for up to 5 s.
+    children (a subreaper's duty) for up to 5 s. Each look waits until the processes
+    signalled have stopped: a fork under way when the signal came has then completed,
+    and its child is in the next look.
     """
     spare = set(spare)
     stopped: dict[int, Entry] = {}
@@ -144,7 +165,7 @@ def end(found: dict[int, int], *, spare: Iterable[int] = ()) -> Counter[str]:
         for pid in fresh:
             if _signal(pid, now[pid].start, signal.SIGSTOP):
                 stopped[pid] = now[pid]
-        time.sleep(0.01)  # a fork under way when the signal came completes first
+        _until_stopped({p: stopped[p] for p in fresh if p in stopped})
     for pid, proc in stopped.items():
         _signal(pid, proc.start, signal.SIGKILL)  # ends a stopped process too
     _reap(stopped)
@@ -176,9 +197,7 @@ def subreaper(launch_dir: str, *, spare: Iterable[int] = ()) -> Iterator[None]:
     me = os.getpid()
     before = {pid for pid, e in table().items() if e.ppid == me} | set(spare)
     libc = ctypes.CDLL(None, use_errno=True)
-    was = ctypes.c_int(0)
-    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    was = become_subreaper()
     try:
         yield
     finally:
@@ -188,10 +207,20 @@ def subreaper(launch_dir: str, *, spare: Iterable[int] = ()) -> Iterator[None]:
             left = (tree([me], now) | marked(launch_dir, now)) - kept
             left = {p for p in left if not _is_helper(p, now, me)}
             ended = end({p: now[p].start for p in left}, spare=kept)
-            if not was.value:
+            if not was:
                 libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         if ended:
             logger.warning("anydevice: the workers left %s; ended them.", describe(ended))
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux): a process orphaned anywhere under it
+    is re-parented to it, not to init. Returns whether it was one already."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    was = ctypes.c_int(0)
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    return bool(was.value)
 
 
 def guard(launch_dir: str, launcher: int) -> None:
@@ -264,6 +293,21 @@ def _signal(pid: int, start: int, sig: signal.Signals) -> bool:
     except OSError:
         return False
     return True
+
+
+def _until_stopped(signalled: dict[int, Entry], seconds: float = 1.0) -> None:
+    """Wait (up to ``seconds``) until each of ``signalled`` shows as stopped, ended or gone.
+    A process in the kernel (``D``) stops when it leaves; the bound keeps one that never
+    does from holding up the sweep."""
+    deadline = time.monotonic() + seconds
+    left = dict(signalled)
+    while left and time.monotonic() < deadline:
+        for pid, was in list(left.items()):
+            now = entry(pid)
+            if now is None or now.start != was.start or now.state in "TtZX":
+                del left[pid]
+        if left:
+            time.sleep(0.002)
 
 
 def _reap(stopped: dict[int, Entry]) -> None:

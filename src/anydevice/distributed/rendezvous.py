@@ -44,10 +44,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from anydevice.distributed import addressing
+from anydevice.distributed import addressing, tenants
 from anydevice.errors import DistributedError, DistributedTimeoutError
 
 if TYPE_CHECKING:
@@ -56,10 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["LOOPBACK", "closed", "open_rendezvous", "unreachable", "wait_until_reachable"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-#: How long torch's rendezvous keeps a silent node (its keep-alive interval, times the
-#: beats it may miss): a participant heard from within this is alive.
-_ALIVE = timedelta(seconds=5 * 3)
 
 
 @contextlib.contextmanager
@@ -83,10 +79,11 @@ def open_rendezvous(chosen: LaunchPlan, timeout: int) -> Iterator[Any]:
         store, sockets = _loopback_store(chosen, host, port, is_host, timeout)
     else:
         store, sockets = _store(chosen, host, port, is_host, timeout)
-    backend = _backend(store, chosen.run_id, sockets)
+    watch = tenants.Watch(store, chosen, client=sockets is not None)
+    backend = _backend(store, chosen.run_id, sockets, watch)
     if sockets is not None:  # a client: the rendezvous there may be another job's
         _check_not_taken(backend, chosen)
-    handler = _handler_type().from_backend(
+    handler = _handler_type(watch).from_backend(
         chosen.run_id,
         store,
         backend,
@@ -260,15 +257,23 @@ def _libuv_takes_a_socket() -> bool:
     return (major, minor) >= (2, 8)
 
 
-def _handler_type() -> type[Any]:
+def _handler_type(watch: tenants.Watch) -> type[Any]:
     """torch's rendezvous handler whose shared worker store (the one ``MASTER_ADDR`` and
     ``MASTER_PORT`` name, which the workers' process group uses) listens only on this
-    node's address (:func:`_listen_address`)."""
+    node's address (:func:`_listen_address`), and whose joins ``watch`` looks over for
+    nodes under another run id."""
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
         DynamicRendezvousHandler,
     )
 
     class BoundRendezvousHandler(DynamicRendezvousHandler):
+        def next_rendezvous(self) -> Any:
+            watch.joining = True
+            try:
+                return super().next_rendezvous()
+            finally:
+                watch.joining = False
+
         def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
             bind = _listen_address(master_addr)
             if bind is None:
@@ -347,11 +352,12 @@ def _handshake(host: str, port: int, timeout: int) -> tuple[Any, set[int]]:
     return box["store"], sockets
 
 
-def _backend(store: Any, run_id: str, sockets: set[int] | None) -> Any:
+def _backend(store: Any, run_id: str, sockets: set[int] | None, watch: tenants.Watch) -> Any:
     """torch's c10d rendezvous backend on ``store``. Once a request through it fails, the
     client's ``sockets`` are shut down: the requests that follow (torch's agent and this
     module close the rendezvous on the way out) then fail at once, where each would wait
-    its own timeout on a store that stopped answering."""
+    its own timeout on a store that stopped answering. Each read of the state (about once
+    a second while joining) lets ``watch`` look for nodes under another run id."""
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
@@ -360,10 +366,12 @@ def _backend(store: Any, run_id: str, sockets: set[int] | None) -> Any:
     class Backend(C10dRendezvousBackend):
         def get_state(self) -> Any:
             try:
-                return super().get_state()
+                got = super().get_state()
             except RendezvousConnectionError:
                 _shut(sockets or set())
                 raise
+            watch.look()
+            return got
 
         def set_state(self, state: bytes, token: Any | None = None) -> Any:
             try:
@@ -520,7 +528,7 @@ def _check_not_taken(backend: Any, chosen: LaunchPlan) -> None:
     if not getattr(state, "complete", False):
         return
     nodes = list(getattr(state, "participants", {}))
-    alive = [n for n in nodes if _alive(state, n)]
+    alive = [n for n in nodes if tenants.alive(state, n)]
     if chosen.min_nodes != chosen.max_nodes:  # a range: only a larger round is another's
         other = len(nodes) > chosen.max_nodes
     else:
@@ -531,13 +539,3 @@ def _check_not_taken(backend: Any, chosen: LaunchPlan) -> None:
             f"rendezvous {chosen.run_id!r} is under way with {len(nodes)} node(s), "
             f"{len(alive)} alive, where this launch has {chosen.max_nodes}{_holder(port)}. " + fix
         )
-
-
-def _alive(state: Any, node: Any) -> bool:
-    beat = getattr(state, "last_heartbeats", {}).get(node)
-    if not isinstance(beat, datetime):
-        return True
-    now = datetime.now(timezone.utc)
-    if beat.tzinfo is None:
-        now = now.replace(tzinfo=None)
-    return now - beat < _ALIVE

@@ -3,8 +3,14 @@
 
 Every worker anydevice starts goes through :func:`worker`, which
 
-* **dies with its launcher**: ``PR_SET_PDEATHSIG`` (SIGKILL) on Linux, a thread watching
-  the parent elsewhere; a launcher killed with SIGKILL leaves no worker running;
+* **writes whole lines**: ``sys.stdout`` and ``sys.stderr`` write each line in one piece
+  (:mod:`~anydevice.distributed.output`), so the ranks' lines never cut into each other;
+* **ends with its launcher, and so does everything it started**: on Linux the worker is a
+  child subreaper (``PR_SET_CHILD_SUBREAPER``: whatever it starts stays under it, however
+  it forks and detaches) and is stopped (``PR_SET_PDEATHSIG`` with SIGSTOP) when the
+  launcher dies, even by SIGKILL; the launch's guardian then ends it with all that is
+  under it (:mod:`~anydevice.distributed.reaper`). Elsewhere a thread watching the parent
+  kills the worker;
 * **dumps its Python stacks when it is stopped**: ``faulthandler`` on SIGTERM, into a file
   the launcher reads, so a rank that hung is shown where it hung (what ``py-spy dump``
   shows), then dies as SIGTERM would have it;
@@ -69,6 +75,9 @@ def worker() -> Iterator[None]:
     if os.environ.get(FORKED) == "1":
         _one_thread_after_fork()
     if launched:
+        from anydevice.distributed import output
+
+        output.install()
         _keep_inherited_pipes()
         _die_with_launcher(int(os.environ.get(LAUNCHER_PID, "0") or 0))
         _dump_stacks_on_sigterm(os.environ[LAUNCH_DIR])
@@ -103,11 +112,22 @@ def _one_thread_after_fork() -> None:
 
 
 def _die_with_launcher(launcher: int) -> None:
+    """End with the launcher (see the module docstring).
+
+    Why stopped rather than killed: a worker killed at once would leave what it started
+    to init — a daemon that double-forked with an empty environment, just started, has
+    nothing that ties it to the launch any more. Stopped, the worker stays the subreaper
+    of all it started (orphans are re-parented to it, also while it is stopped) and can
+    fork nothing more, so the guardian finds the whole tree under it and ends it.
+    """
     if sys.platform.startswith("linux"):
+        from anydevice.distributed.reaper import become_subreaper
+
+        become_subreaper()
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGSTOP, 0, 0, 0)
         if os.getppid() == 1 != launcher:  # orphaned before the line above took hold
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # nothing started yet: nothing to sweep
         return
     parent = os.getppid()
 
