@@ -18,6 +18,7 @@ __all__ = [
     "NAMES",
     "cudnn_allow_tf32",
     "cudnn_binding",
+    "default_store",
     "fp32_precision",
     "has_fp32_precision_tree",
     "host_empty_cache",
@@ -43,6 +44,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "_snapshot": ("torch.cuda.memory", "all"),
     "trace_plot": ("torch.cuda._memory_viz", "all"),
     "_world": ("torch.distributed.distributed_c10d", "all"),
+    "_get_default_store": ("torch.distributed.distributed_c10d", "all"),
 }
 
 
@@ -137,3 +139,17 @@ def process_groups() -> list[Any]:
     if default is not None and default not in groups:
         groups.insert(0, default)
     return groups
+
+
+def default_store() -> Any | None:
+    """The store of the default process group (``distributed_c10d._get_default_store``),
+    where the ranks can meet outside a collective; None without a group or that name."""
+    import torch.distributed as dist
+
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None or not dist.is_initialized():
+        return None
+    try:
+        return get()
+    except (RuntimeError, ValueError):  # a group made without a store (a fake backend)
+        return None
