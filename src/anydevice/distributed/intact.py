@@ -108,7 +108,13 @@ def check_folder(folder: Path, call: str) -> dict[str, Any]:
     else:  # saved before the manifest listed its files: the index does
         from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        try:
+            metadata = FileSystemReader(str(folder)).read_metadata()
+        except Exception as e:  # a damaged index, unpickled
+            raise CheckpointError(
+                f"{said}its index (.metadata) cannot be read ({type(e).__name__}: {e})",
+                path=str(folder),
+            ) from e
         files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
     absent = [f for f in files if not (folder / f).exists()]
     if absent:

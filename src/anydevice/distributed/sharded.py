@@ -203,7 +203,10 @@ def _put_in_place(
         shutil.rmtree(tmp, ignore_errors=True)
         return _describe(e, tmp)
     if pruned is not None and keep is not None:
-        history.prune(pruned, keep)
+        try:
+            history.prune(pruned, keep)
+        except OSError as e:  # the new one is in place: an old one left is no failure
+            logger.warning("save_state: could not remove an older checkpoint in %s: %s", pruned, e)
     return None
 
 

@@ -194,16 +194,8 @@ def save_state(
 
 def _path(path: PathLike, verb: str) -> Path:
     """``path`` as a ``Path``; the empty path refused before anything is written."""
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        raise TypeError(f"ad.{verb}: the path is a str or os.PathLike, not {type(path).__name__}")
-    if not text.strip():
-        raise CheckpointError(
-            f"ad.{verb}({text!r}): the path is empty; give one such as 'checkpoints/last' "
-            "(or a folder for a history: keep=3, step=step).",
-            path=text,
-        )
-    return Path(text)
+    example = "one such as 'checkpoints/last' (or a folder for a history: keep=3, step=step)"
+    return checkpoint.checked_path(path, verb, example)
 
 
 def _checked(extra: dict[str, Any], call: str, *, copy: bool) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from anydevice.hardware.facts import format_bytes
 from anydevice.hardware.selection import device as _select_device
 from anydevice.hardware.spec import DeviceLike
 
-__all__ = ["damage", "disk_space", "full_disk", "load", "save"]
+__all__ = ["checked_path", "damage", "disk_space", "full_disk", "load", "save"]
 
 PathLike = str | os.PathLike[str]
 
@@ -79,7 +79,7 @@ def save(obj: object, path: PathLike) -> Path:
             ``__cause__``, and the message says the previous file was kept. Also for a
             ``path`` that is empty or names a folder.
     """
-    target = _file_path(path, "save")
+    target = checked_path(path, "save")
     if target.is_dir():
         raise CheckpointError(
             f"ad.save({str(target)!r}): that is a folder; name a file inside it, e.g. "
@@ -115,14 +115,17 @@ def save(obj: object, path: PathLike) -> Path:
     return target
 
 
-def _file_path(path: PathLike, verb: str) -> Path:
-    """``path`` as a ``Path``, refusing the empty path and a trailing separator."""
+def checked_path(
+    path: PathLike, verb: str, example: str = "a file such as 'checkpoints/last.pt'"
+) -> Path:
+    """``path`` as a ``Path`` for ``ad.<verb>``, refusing the empty path (``example`` says
+    what to give instead) and, for ``ad.save``, a trailing separator."""
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"ad.{verb}: the path is a str or os.PathLike, not {type(path).__name__}")
     if not text.strip():
         raise CheckpointError(
-            f"ad.{verb}({text!r}): the path is empty; give a file such as 'checkpoints/last.pt'.",
+            f"ad.{verb}({text!r}): the path is empty; give {example}.",
             path=text,
         )
     if text.endswith(("/", os.sep)) and verb == "save":
@@ -357,7 +360,7 @@ def load(
         pickle.UnpicklingError: ``weights_only=True`` refused an object (torch's message
             says how to allow it); not a sign of a damaged file.
     """
-    file = _file_path(path, "load")
+    file = checked_path(path, "load")
     if file.is_dir():
         raise CheckpointError(_folder_message(file), path=str(file))
     map_location = None if device is None else _select_device(device)
