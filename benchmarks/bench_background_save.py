@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import Result, save
+from report import Result, save, two_ranks
 
 BIN = Path(sys.executable).parent
 HOWS = ("no save", "blocking", "background")
@@ -116,22 +113,7 @@ def main() -> None:
 
 def drive(args: Any) -> None:
     sizes = [f"--{k}={getattr(args, k)}" for k in ("width", "depth", "batch", "window", "windows")]
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "facts.json"
-        argv = [*torchrun, str(Path(__file__).resolve()), *sizes, "worker", str(out)]
-        argv.append(str(Path(tmp) / "ckpts"))
-        proc = subprocess.run(
-            argv,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            timeout=1800,
-            check=False,
-        )
-        if not out.exists():
-            sys.exit(f"the ranks failed:\n{proc.stderr[-3000:]}")
-        ranks = json.loads(out.read_text())
+    ranks = two_ranks(Path(__file__).resolve(), sizes)
     report(ranks[0], args)
 
 

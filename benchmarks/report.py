@@ -141,3 +141,26 @@ def wall(argv: Sequence[str], timeout: float = 300) -> Callable[[], float]:
 
 def python(code: str) -> list[str]:
     return [sys.executable, "-c", code]
+
+
+def two_ranks(script: str | Path, argv: Sequence[str], timeout: float = 1800) -> Any:
+    """Run ``script *argv worker OUT FOLDER`` as 2 ranks of ``torchrun --standalone`` (one
+    thread each, ``FOLDER`` a fresh temporary folder); what rank 0 wrote to ``OUT`` as
+    JSON. Exits with the ranks' error where they wrote nothing."""
+    import tempfile
+
+    torchrun = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, folder = Path(tmp) / "facts.json", Path(tmp) / "ckpts"
+        folder.mkdir()
+        command = [*torchrun, str(script), *argv, "worker", str(out), str(folder)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)  # fmt: skip
+        if not out.exists():
+            sys.exit(f"the ranks failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())

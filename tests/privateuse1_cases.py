@@ -23,9 +23,24 @@ NAME = os.environ.get("ANYDEVICE_TEST_BACKEND", "npy")
 
 
 def _register() -> Any:
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+    from torch.utils.backend_registration import (
+        _DummyBackendModule,
+        _setup_privateuseone_for_python_backend,
+    )
 
-    _setup_privateuseone_for_python_backend(NAME)
+    class Module(_DummyBackendModule):
+        """torch's stand-in device module, with a generator of the device's own, reached as
+        a backend's module offers it (``get_rng_state`` / ``set_rng_state``)."""
+
+        generator = torch.Generator()
+
+        def get_rng_state(self, device: Any = None) -> torch.Tensor:
+            return self.generator.get_state()
+
+        def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+            self.generator.set_state(state)
+
+    _setup_privateuseone_for_python_backend(NAME, backend_module=Module())
 
     class NpyTensor(torch.Tensor):
         raw: np.ndarray[Any, Any]
@@ -237,6 +252,24 @@ def test_side_stream_through_torch_stream() -> None:
         pass
     assert again is s  # one side stream per device, reused
     assert torch.equal(y, torch.ones(3))
+
+
+def test_the_random_state_of_a_models_device_is_kept_through_its_module(tmp_path: Any) -> None:
+    import anydevice as ad
+    from anydevice.distributed import randomness
+
+    holder = torch.nn.Module()
+    holder.register_buffer("x", ad.to(torch.ones(2), NAME))
+    generator = torch.get_device_module(NAME).generator
+    generator.manual_seed(7)
+    before = generator.get_state()
+    state = randomness.capture(holder)
+    assert [device for device, _ in state["devices"]] == [f"{NAME}:0"]
+    path = ad.save(state, tmp_path / "rng.pt")
+    torch.rand(3, generator=generator)  # the device draws on: its state moves
+    assert not torch.equal(generator.get_state(), before)
+    randomness.restore(ad.load(path, "cpu"), holder, where="test")
+    assert torch.equal(generator.get_state(), before)
 
 
 def test_a_backend_named_tpu_is_not_taken_for_torch_xla() -> None:

@@ -53,7 +53,7 @@ def test_bad_keep_step_and_paths_are_named(tmp_path):
         ad.save_state(tmp_path / "c", model=_net(1), keep=0, step=1)
     with pytest.raises(TypeError, match="a path or latest_in"):
         ad.load_state(tmp_path / "c", model=_net(1), latest_in=tmp_path)
-    with pytest.raises(ad.CheckpointError, match="no complete checkpoint"):
+    with pytest.raises(ad.CheckpointError, match="no intact checkpoint there"):
         ad.load_state(latest_in=tmp_path, model=_net(1))
 
 

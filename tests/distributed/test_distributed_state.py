@@ -4,7 +4,9 @@ ranks, resumed on other world sizes and across DDP and FSDP."""
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -226,13 +228,26 @@ def _save_on_two(folder):
             ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=2, rank=d.rank)
             ad.save_state(folder / "ddp", model=ddp, optimizer=ddp_opt, step=2, rank=d.rank)
             ad.save_state(folder / "model-only", model=fsdp)
-            # a rank that cannot write its part fails the save on every rank; the previous
-            # checkpoint stays whole and no temporary folder is left
-            bad = {"hook": (lambda: None) if d.rank == 1 else None}
+            # a rank that cannot write its part (a real EFBIG: rank 1's 8 MB extra over a
+            # 4 MB file-size limit) fails the save on every rank; the previous checkpoint
+            # stays whole and no temporary folder is left
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+            big = torch.zeros(2_000_000 if d.rank == 1 else 1)
+            if d.rank == 1:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, limit[1]))
             try:
-                ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=99, **bad)
+                ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=99, big=big)
             except ad.CheckpointError as e:
                 out["failed_save"] = str(e)
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            # an extra that load_state could not read back is refused on every rank, at
+            # the call, naming the rank, the key and the type
+            bad = {"hook": (lambda: None) if d.rank == 1 else None}
+            try:
+                ad.save_state(folder / "fsdp", model=fsdp, optimizer=fsdp_opt, step=98, **bad)
+            except ad.CheckpointError as e:
+                out["refused_save"] = str(e)
             out["losses"] = train(fsdp, fsdp_opt, range(2, STEPS), d.rank, 2)
             out["final"] = full(fsdp)
             return out
@@ -267,6 +282,9 @@ def test_sharded_checkpoints_resume_on_one_and_three_ranks_and_across_ddp_and_fs
         assert out["losses"] == pytest.approx(reference["losses"][2:], rel=1e-5)
         assert_params(out["final"], reference["final"])
         assert "rank(s) [1] could not write their part" in out["failed_save"]
+        assert "a file-size limit (ulimit -f) stopped the write" in out["failed_save"]
+        assert "extra 'hook' is a function" in out["refused_save"]
+        assert "(on rank(s) [1])" in out["refused_save"]
     names = sorted(p.name for p in folder.iterdir())
     assert names == ["ddp", "fsdp", "model-only"]  # nothing temporary left over
     shards = sorted(p.name for p in (folder / "fsdp").iterdir())
@@ -300,7 +318,9 @@ def test_sharded_checkpoints_resume_on_one_and_three_ranks_and_across_ddp_and_fs
     broken = tmp_path / "broken"
     shutil.copytree(folder / "fsdp", broken)
     (broken / "__1_0.distcp").unlink()
-    with pytest.raises(ad.CheckpointError, match=r"missing shard file\(s\) __1_0.distcp of 2"):
+    with pytest.raises(
+        ad.CheckpointError, match=r"missing __1_0.distcp \(1 of the 5 files it was written with"
+    ):
         ad.load_state(broken, model=model(0))
     (broken / ".metadata").unlink()
     with pytest.raises(ad.CheckpointError, match="partial checkpoint, missing .metadata"):
@@ -328,15 +348,17 @@ import torch, torch.distributed as dist
 import anydevice as ad
 
 class Slow:
-    def __reduce__(self):  # runs while the rank writes its extra into the temporary folder
+    def __reduce__(self):  # runs while DCP writes the rank's shard into the temporary folder
         print("writing", flush=True)
         time.sleep(120)
         return (int, (0,))
 
 dist.init_process_group("gloo", init_method=sys.argv[2], rank=int(sys.argv[3]), world_size=2)
 net = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
 ad.save_state(sys.argv[1], model=net, step=1)
-ad.save_state(sys.argv[1], model=net, step=2, blocker=Slow())
+opt.param_groups[0][f"blocker{sys.argv[3]}"] = Slow()  # DCP pickles it as it writes
+ad.save_state(sys.argv[1], model=net, optimizer=opt, step=2)
 """
 
 

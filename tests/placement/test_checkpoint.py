@@ -145,7 +145,8 @@ def test_real_write_failure_from_a_file_size_limit_keeps_previous_file(tmp_path)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "writing failed" in proc.stdout and "the previous ckpt.pt is intact" in proc.stdout
+    assert "a file-size limit (ulimit -f) stopped the write" in proc.stdout
+    assert "the previous ckpt.pt is intact" in proc.stdout
     assert path.read_bytes() == before
     assert leftovers(tmp_path) == []
     assert torch.equal(ad.load(path, "cpu")["w"], torch.ones(1000))

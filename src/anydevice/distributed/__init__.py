@@ -22,6 +22,20 @@
   one optimizer step, one gradient reduction per step.
 * :mod:`~anydevice.distributed.sharding` — FSDP2 as ``prepare(strategy="fsdp")`` applies it.
 * :mod:`~anydevice.distributed.state` — ``save_state()`` / ``load_state()`` on any world size.
+* :mod:`~anydevice.distributed.sharded` — a checkpoint every rank writes, put in place only
+  once all have; a full disk named.
+* :mod:`~anydevice.distributed.integrity` — every file's size and CRC-32, taken while it is
+  written, checked before it is loaded.
+* :mod:`~anydevice.distributed.intact` — which checkpoint is intact, decided by the ranks
+  together; the newest intact one of a ``keep=`` folder.
+* :mod:`~anydevice.distributed.loop_state` — the loader, LR scheduler, precision and random
+  state ``save_state`` carries beside model and optimizer.
+* :mod:`~anydevice.distributed.ondisk` — what ``save_state`` may replace (its own
+  checkpoints only), the replacing, what saves cut short leave.
+* :mod:`~anydevice.distributed.extras` — what a checkpoint's extras may hold: checked at
+  the call, copied for a background save, read back.
+* :mod:`~anydevice.distributed.randomness` — the random state a resumed run needs.
+* :mod:`~anydevice.distributed.arrival` — whether every rank called a collective of ours.
 * :mod:`~anydevice.distributed.collectives` — ``all_reduce``, ``all_gather``, ``broadcast``,
   ``gather_for_metrics``.
 * :mod:`~anydevice.distributed.sharing` — ``share()`` for Hogwild.

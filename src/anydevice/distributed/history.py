@@ -2,10 +2,12 @@
 
 ``ad.save_state(folder, keep=k, step=s)`` writes ``folder/step-00000s`` and then removes
 all but the newest ``k`` complete checkpoints there; ``ad.load_state(latest_in=folder)``
-loads the newest complete one. Complete: a file (written atomically, so any file of that
-name is whole) or a folder with its index and manifest (a sharded save renamed into place
-once every rank had written). Hidden names (``.step-….tmp``, saves under way or cut
-short) are never taken.
+loads the newest intact one (:func:`candidates` lists them newest first; ``load_state``
+checks each). Complete: a file (written atomically, so any file of that name is whole) or
+a folder with its index and manifest (a sharded save renamed into place once every rank
+had written). Hidden names (``.step-….tmp``, saves under way or cut short) are never
+taken, and pruning removes only checkpoints of ``save_state``: anything else named
+``step-N`` there is left alone.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import re
 import shutil
 from pathlib import Path
 
+from anydevice.distributed import ondisk
 from anydevice.errors import CheckpointError
 
-__all__ = ["complete", "latest", "numbered", "prune"]
+__all__ = ["candidates", "complete", "numbered", "prune"]
 
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -32,6 +35,12 @@ def numbered(folder: Path, step: object) -> Path:
             f"ad.save_state(..., keep=...) names each checkpoint by its step: pass step= as a "
             f"whole number >= 0 (got {step!r})."
         )
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(
+            f"ad.save_state({str(folder)!r}, keep=...): {folder} is a file; keep= makes the "
+            "path a folder of step-numbered checkpoints. Pass a folder.",
+            path=str(folder),
+        )
     folder.mkdir(parents=True, exist_ok=True)
     return folder / f"step-{step:09d}"
 
@@ -39,8 +48,8 @@ def numbered(folder: Path, step: object) -> Path:
 def complete(path: Path) -> bool:
     """Whether ``path`` is a whole checkpoint (see the module docstring)."""
     if path.is_file():
-        return True
-    return path.is_dir() and (path / ".metadata").exists() and (path / "anydevice.json").exists()
+        return ondisk.is_state_file(path)
+    return path.is_dir() and (path / ".metadata").exists() and (path / ondisk.MANIFEST).exists()
 
 
 def _steps(folder: Path) -> list[tuple[int, Path]]:
@@ -53,34 +62,22 @@ def _steps(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def latest(folder: Path) -> Path:
-    """The newest complete checkpoint in ``folder``.
-
-    Raises:
-        CheckpointError: there is none (the message says what is there).
-    """
-    entries = _steps(folder)
-    for _, path in entries:
-        if complete(path):
-            return path
-    partial = ", ".join(p.name for _, p in entries) or "no step-N checkpoints"
-    raise CheckpointError(
-        f"ad.load_state(latest_in={str(folder)!r}): no complete checkpoint there ({partial}). "
-        "Start from scratch, or pass the path of one.",
-        path=str(folder),
-    )
+def candidates(folder: Path) -> list[Path]:
+    """The step-numbered entries of ``folder``, newest first."""
+    return [path for _, path in _steps(folder)]
 
 
 def prune(folder: Path, keep: int) -> list[Path]:
     """Remove all but the newest ``keep`` complete checkpoints of ``folder`` (and partial
-    ones older than the oldest kept); return what was removed."""
+    ones of ours older than the oldest kept); return what was removed. What is not a
+    checkpoint of ``save_state`` is never removed."""
     removed = []
     kept = 0
     for _, path in _steps(folder):
         if kept < keep and complete(path):
             kept += 1
             continue
-        if kept < keep:  # a partial one newer than those kept: a save under way elsewhere
+        if kept < keep or not ondisk.ours(path):  # a save under way elsewhere; the user's
             continue
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

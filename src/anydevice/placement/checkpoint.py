@@ -21,11 +21,13 @@ looks wrong: empty, truncated, a record that fails its CRC, not a checkpoint at 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import pickle
 import re
+import shutil
 import socket
 import stat
 import sys
@@ -40,7 +42,7 @@ from anydevice.hardware.facts import format_bytes
 from anydevice.hardware.selection import device as _select_device
 from anydevice.hardware.spec import DeviceLike
 
-__all__ = ["load", "save"]
+__all__ = ["checked_path", "damage", "disk_space", "full_disk", "load", "save"]
 
 PathLike = str | os.PathLike[str]
 
@@ -77,7 +79,7 @@ def save(obj: object, path: PathLike) -> Path:
             ``__cause__``, and the message says the previous file was kept. Also for a
             ``path`` that is empty or names a folder.
     """
-    target = _file_path(path, "save")
+    target = checked_path(path, "save")
     if target.is_dir():
         raise CheckpointError(
             f"ad.save({str(target)!r}): that is a folder; name a file inside it, e.g. "
@@ -100,23 +102,30 @@ def save(obj: object, path: PathLike) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException as e:
+        written = 0
+        with contextlib.suppress(OSError):
+            written = os.stat(tmp).st_size
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if not isinstance(e, Exception):
             raise  # KeyboardInterrupt and friends: cleaned up, passed on as they are
-        raise CheckpointError(_save_failed(target, e, wrote=True), path=str(target)) from e
+        message = _save_failed(target, e, wrote=True, written=written)
+        raise CheckpointError(message, path=str(target)) from e
     _fsync_folder(folder)
     return target
 
 
-def _file_path(path: PathLike, verb: str) -> Path:
-    """``path`` as a ``Path``, refusing the empty path and a trailing separator."""
+def checked_path(
+    path: PathLike, verb: str, example: str = "a file such as 'checkpoints/last.pt'"
+) -> Path:
+    """``path`` as a ``Path`` for ``ad.<verb>``, refusing the empty path (``example`` says
+    what to give instead) and, for ``ad.save``, a trailing separator."""
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"ad.{verb}: the path is a str or os.PathLike, not {type(path).__name__}")
     if not text.strip():
         raise CheckpointError(
-            f"ad.{verb}({text!r}): the path is empty; give a file such as 'checkpoints/last.pt'.",
+            f"ad.{verb}({text!r}): the path is empty; give {example}.",
             path=text,
         )
     if text.endswith(("/", os.sep)) and verb == "save":
@@ -242,12 +251,51 @@ def _writer_alive(pid: int, modified: float) -> bool:
     return started <= modified + 1.0
 
 
-def _save_failed(target: Path, e: BaseException, *, wrote: bool) -> str:
+def full_disk(e: BaseException | None, folder: Path) -> str | None:
+    """What an error says about the disk, where it is that the disk (or a quota, or a
+    file-size limit) ran out: the errno anywhere in its chain of causes, in plain words
+    with the folder and its free space; None for any other error."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _FULL:
+            return f"{_FULL[e.errno]} ({disk_space(folder)})"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+#: errno -> what it means for a checkpoint being written
+_FULL = {
+    errno.ENOSPC: "no space left on the disk",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file-size limit (ulimit -f) stopped the write",
+}
+
+
+def disk_space(folder: Path) -> str:
+    """``"1.2 MiB free of 64 MiB in /x"``, or just the folder where that cannot be read."""
+    for where in (folder, *folder.parents):
+        with contextlib.suppress(OSError):
+            usage = shutil.disk_usage(where)
+            return f"{format_bytes(usage.free)} free of {format_bytes(usage.total)} in {folder}"
+    return f"in {folder}"
+
+
+def _save_failed(target: Path, e: BaseException, *, wrote: bool, written: int = 0) -> str:
     kept = (
         f"the previous {target.name} is intact"
         if target.exists()
         else f"{target.name} was not created"
     )
+    full = full_disk(e, target.parent)
+    if full is not None:
+        reached = (
+            f"; the file had reached {format_bytes(written)} when it failed" if written else ""
+        )
+        return (
+            f"ad.save({str(target)!r}): {full}{reached}; {kept} and no temporary file was left. "
+            "Free space there (or raise the limit), or save to another disk."
+        )
     if isinstance(e, OSError) and e.errno is not None and not wrote:
         what = f"cannot create a file in {target.parent} ({e.strerror})"
         todo = "Check that the folder exists and is writable."
@@ -312,7 +360,7 @@ def load(
         pickle.UnpicklingError: ``weights_only=True`` refused an object (torch's message
             says how to allow it); not a sign of a damaged file.
     """
-    file = _file_path(path, "load")
+    file = checked_path(path, "load")
     if file.is_dir():
         raise CheckpointError(_folder_message(file), path=str(file))
     map_location = None if device is None else _select_device(device)
@@ -349,6 +397,18 @@ def _folder_message(folder: Path) -> str:
         shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
         return f"{start}. Checkpoints in it: {shown}; pass one of them."
     return f"{start}, and it holds no .pt/.pth/.ckpt file. Pass the checkpoint file's path."
+
+
+def damage(file: Path) -> str | None:
+    """What is wrong with the checkpoint file ``file`` (its size, zip directory and every
+    record's CRC-32, read once), or None if nothing is."""
+    try:
+        problem = _damage(file, check_crc=True)
+    except FileNotFoundError:
+        return f"{file.name} is missing"
+    except OSError as e:
+        return f"{file.name} cannot be read ({e.strerror})"
+    return None if problem is None else problem.split(" Use an earlier checkpoint")[0]
 
 
 def _verify_or_raise(file: Path) -> None:

@@ -221,6 +221,34 @@ class Backend(ABC):
         initialized = getattr(device_module(device.type), "is_initialized", None)
         return True if initialized is None else bool(initialized())
 
+    def rng_state(self, device: torch.device) -> torch.Tensor | None:
+        """The state of ``device``'s default random generator (what dropout and
+        ``torch.rand`` on it draw from), or None where the kind keeps none of its own
+        (the CPU's is torch's global one) or its module cannot say. Asks nothing of a kind
+        not yet initialised: its generator has drawn nothing."""
+        get = getattr(device_module(device.type), "get_rng_state", None)
+        if get is None or self.is_host or not self.initialized(device):
+            return None
+        import torch
+
+        try:
+            state = get(device)
+        except UNSUPPORTED:
+            return None
+        return state if isinstance(state, torch.Tensor) else None
+
+    def set_rng_state(self, device: torch.device, state: torch.Tensor) -> bool:
+        """Give ``device``'s default random generator ``state`` (from :meth:`rng_state`);
+        False where the kind cannot take one."""
+        put = getattr(device_module(device.type), "set_rng_state", None)
+        if put is None or self.is_host:
+            return False
+        try:
+            put(state, device)
+        except UNSUPPORTED:
+            return False
+        return True
+
     def free_total(self, device: torch.device) -> tuple[int | None, int | None, list[str]]:
         """Free and total bytes of ``device`` as discovery reads them, and notes."""
         probe = self.probe(telemetry=False)

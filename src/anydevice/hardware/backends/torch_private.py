@@ -18,6 +18,7 @@ __all__ = [
     "NAMES",
     "cudnn_allow_tf32",
     "cudnn_binding",
+    "default_store",
     "flight_record",
     "fp32_precision",
     "has_fp32_precision_tree",
@@ -45,6 +46,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "trace_plot": ("torch.cuda._memory_viz", "all"),
     "_world": ("torch.distributed.distributed_c10d", "all"),
     "_dump_fr_trace": ("torch._C._distributed_c10d", "all"),  # gloo records too: torch >= 2.10
+    "_get_default_store": ("torch.distributed.distributed_c10d", "all"),
 }
 
 
@@ -169,3 +171,15 @@ def flight_record(*, entries: bool) -> dict[str, Any] | None:
     except Exception:  # the recorder torn down while the process ends
         return None
     return found if isinstance(found, dict) else None
+def default_store() -> Any | None:
+    """The store of the default process group (``distributed_c10d._get_default_store``),
+    where the ranks can meet outside a collective; None without a group or that name."""
+    import torch.distributed as dist
+
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None or not dist.is_initialized():
+        return None
+    try:
+        return get()
+    except (RuntimeError, ValueError):  # a group made without a store (a fake backend)
+        return None
