@@ -171,6 +171,8 @@ def flight_record(*, entries: bool) -> dict[str, Any] | None:
     except Exception:  # the recorder torn down while the process ends
         return None
     return found if isinstance(found, dict) else None
+
+
 def default_store() -> Any | None:
     """The store of the default process group (``distributed_c10d._get_default_store``),
     where the ranks can meet outside a collective; None without a group or that name."""
