@@ -257,7 +257,7 @@ def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preem
     assert "Preempt" in err or "preempt" in err, err
     assert "no Python traceback" not in err, err
     assert (  # where the grace is set, in both spellings
-        "waiting up to 30 s for the workers to exit (ad.launch(grace=...), anydevice launch "
+        "waiting up to 300 s for the workers to exit (ad.launch(grace=...), anydevice launch "
         "--grace); a second signal stops them now." in err
     ), err
 
