@@ -13,11 +13,12 @@ called it. A thread of this process (:func:`watch`) reads it every :data:`TICK` 
 * **Once a collective has lasted** :data:`DETAIL_AFTER` seconds, and
   :data:`DETAIL_SHARE` times as long as reading the details took the last time (so the
   reading costs at most 1/20 of the time spent waiting, and nothing when collectives are
-  short), the recorder's entries are read once for it: the op, the shapes and dtypes
-  (and their fingerprint, equal on ranks that call the same collective); the user's
-  file:line and stack are the main thread's, which waits in it (or in the backward whose
-  DDP reduction it is). The recorder's own stacks are not read: torch symbolises them
-  for seconds on first use.
+  short; at most :data:`DETAIL_AT_MOST` seconds on a machine that reads slowly), the
+  recorder's entries are read once for it (again later where it is not in them yet): the
+  op, the shapes and dtypes (and their fingerprint, equal on ranks that call the same
+  collective); the user's file:line and stack are the main thread's, which waits in it (or
+  in the backward whose DDP reduction it is). The recorder's own stacks are not read:
+  torch symbolises them for seconds on first use.
 * **Outside any collective** for :data:`WHERE_AFTER` seconds, the main thread's place
   (``sys._current_frames()``: the user's innermost frame and the stack) is published,
   when it changes.
@@ -54,6 +55,7 @@ from anydevice import heartbeat
 
 __all__ = [
     "DETAIL_AFTER",
+    "DETAIL_AT_MOST",
     "DETAIL_SHARE",
     "LIVE_SIGNAL",
     "TICK",
@@ -69,6 +71,7 @@ __all__ = [
 TICK = 0.5  #: seconds between two looks at the flight recorder
 DETAIL_AFTER = 1.0  #: seconds a collective lasts before its details are read
 DETAIL_SHARE = 20.0  #: ... and this many times as long as reading them took last time
+DETAIL_AT_MOST = 10.0  #: ... but no more than this (a loaded machine reads slowly)
 WHERE_AFTER = 1.0  #: seconds outside any collective before the main thread's place is said
 
 #: Ops whose input shapes agree on every rank: different shapes are a mismatch.
@@ -151,6 +154,7 @@ class Watcher:
         self._call_since = 0.0
         self._detailed = False
         self._detail_cost = 0.0
+        self._missed = 0.0  # when the details of the current call were last not found
         self._where: dict[str, Any] | None = None
 
     def start(self) -> None:
@@ -219,13 +223,15 @@ class Watcher:
             if self._where is not None:
                 self._where = None
                 news["where"] = None
-        lasted = now - self._call_since
-        if not self._detailed and lasted >= max(DETAIL_AFTER, DETAIL_SHARE * self._detail_cost):
-            self._detailed = True
+        wait = min(max(DETAIL_AFTER, DETAIL_SHARE * self._detail_cost), DETAIL_AT_MOST)
+        if not self._detailed and now - max(self._call_since, self._missed) >= wait:
             started = time.perf_counter()
             call = self._details(*self._call)
             self._detail_cost = time.perf_counter() - started
-            if call is not None:
+            if call is None:  # not in the recorder's entries yet: look again later
+                self._missed = now
+            else:
+                self._detailed = True
                 group, seq = self._call
                 self.beat.enter(
                     call["op"], seq, group, call["fingerprint"], entered=call.pop("entered")
