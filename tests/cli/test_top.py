@@ -270,7 +270,8 @@ def test_signals_need_the_flag_a_key_and_a_yes(victim, tmp_path, allowed):
     flags = ["--job", victim.job, *(["--signals"] if allowed else [])]
     proc, master = _pty_top(*flags, env=env)
     try:
-        _read_until(master, str(victim.pid).encode())
+        # Its job's name, not its pid: a pid of three digits shows in other numbers too.
+        _read_until(master, victim.job.encode())
         os.write(master, b"j")  # select the first row: the victim
         os.write(master, b"T")
         if not allowed:

@@ -338,6 +338,36 @@ def test_two_nodes_stop_a_mismatch_with_one_verdict(launches):
 # ----------------------------------------------------------------------------- parts
 
 
+def test_the_node_that_stops_a_mismatch_waits_until_the_other_nodes_saw_it():
+    """Else the other node's workers fail first of a lost peer, and its launch says that
+    rather than who stopped the job (a real store, two nodes' watches)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from anydevice.distributed.hangwatch import HangWatch
+    from anydevice.distributed.verdict import Verdict
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    finder, other = HangWatch(5.0), HangWatch(5.0)
+    finder.join(store, 0, 2)
+    other.join(store, 1, 2)
+    found = Verdict("mismatch", "the ranks call different collectives", (), (), (1,), ("m",))
+    assert finder._claim(found, finder._store)
+    waited = threading.Thread(target=finder._await_heed, args=(finder._store,))
+    waited.start()
+    try:
+        waited.join(timeout=1.0)
+        assert waited.is_alive()  # the other node has not looked yet
+        assert other._heed_others(other._store)
+        assert other.stopped_by.startswith("node 0 (")
+        waited.join(timeout=60)
+        assert not waited.is_alive()  # it saw the other node heed its verdict
+    finally:
+        finder.stop()
+        waited.join(timeout=60)
+
+
 def test_how_a_process_ended_is_read_while_it_is_a_zombie():
     from anydevice.distributed.hangwatch import _ended
 

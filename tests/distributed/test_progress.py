@@ -83,7 +83,7 @@ def waits_in_ddp_backward(init_method: str) -> tuple[str, int, str]:
     import os
 
     where = os.environ["ANYDEVICE_HEARTBEAT_DIR"]
-    with ad.distributed(init_method=init_method, timeout=60, device="cpu") as d:
+    with ad.distributed(init_method=init_method, timeout=200, device="cpu") as d:
         net = ad.prepare(torch.nn.Linear(4, 1))
         loss = net(torch.ones(2, 4)).sum()
         if d.rank == 0:

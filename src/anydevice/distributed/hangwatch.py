@@ -22,8 +22,10 @@ verdict.diagnose`):
 Across nodes, each node's watch publishes its ranks' states in the rendezvous store (when
 they change) and reads the others' while one of its ranks waits, so the verdict covers
 every rank; the node that claims it first in the store (``compare_set``) prints it, the
-others do not. The wait times compare wall clocks: the nodes' clocks are taken to agree
-within a second or two (NTP).
+others do not; for a mismatch it waits until the others have seen its claim before it
+ends its own workers (their workers would otherwise fail first of a lost peer). The wait
+times compare wall clocks: the nodes' clocks are taken to agree within a second or two
+(NTP).
 
 A rank whose own watcher thread stopped ticking (native code holding the GIL) is asked
 for its stack by a signal (``faulthandler``, :data:`~anydevice.distributed.progress.
@@ -66,6 +68,7 @@ STALE = 3.0  #: seconds without a tick of a rank's watcher before its stack is a
 FINAL_AFTER = 2.0  #: a rank that waited this long when the launch failed is judged
 STOP_AFTER = 5.0  #: ... and this long when a signal stopped it (a slow step is not a hang)
 MISMATCH_AFTER = 1.0  #: both ranks seen this long in their collectives: a mismatch
+HEED_WAIT = 20.0  #: at most this long the node that stops a job waits for the others to see it
 _KEY = "anydevice/hang"  #: the store's keys of the watch, per rendezvous round
 _NONE = RankState(-1)
 
@@ -192,6 +195,7 @@ class HangWatch:
         if found.certain:
             if self.stopped is None and self._claim(found, store):
                 self.stopped = found
+                self._await_heed(store)
                 self._end_workers()
             return found
         if found.signature != self._said:
@@ -462,8 +466,26 @@ class HangWatch:
         if said.get("kind") != "mismatch" or said.get("node") == self._node:
             return False
         self.stopped_by = f"node {said.get('node')} ({said.get('host', '?')})"
+        with contextlib.suppress(Exception):
+            store.set(f"{_KEY}/heeded/node{self._node}", "1")
         self._end_workers()
         return True
+
+    def _await_heed(self, store: Any) -> None:
+        """Before this node ends its workers, the other nodes see its verdict: else their
+        workers fail first of a lost peer, and their launches say that instead. At most
+        ``HEED_WAIT`` s (a node that no longer looks)."""
+        if store is None or self._nodes < 2:
+            return
+        keys = [f"{_KEY}/heeded/node{n}" for n in range(self._nodes) if n != self._node]
+        deadline = time.monotonic() + HEED_WAIT
+        while time.monotonic() < deadline and not self._stop.is_set():
+            try:
+                if store.check(keys):
+                    return
+            except Exception:  # the store is gone: nobody is left to tell
+                return
+            time.sleep(0.1)
 
 
 # ----------------------------------------------------------------------------- internals
