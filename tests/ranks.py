@@ -83,19 +83,70 @@ def run_ranks(
             if (tmp_path / f"rank{r}.stacks").exists()
         )
         raise AssertionError(f"rank(s) {hung} did not finish within {timeout} s (killed){dumps}")
-    results = []
+    results, failed = [], []
     for rank, p, out in procs:
         if not out.exists():
             stacks = tmp_path / f"rank{rank}.stacks"
             where = stacks.read_text(errors="replace") if stacks.exists() else ""
-            raise AssertionError(
-                f"rank {rank} died without a result (exit code {p.exitcode})\n{where}"
-            )
+            failed.append(f"rank {rank} died without a result (exit code {p.exitcode})\n{where}")
+            continue
         status, value = pickle.loads(out.read_bytes())
         if status != "ok":
-            raise AssertionError(f"rank {rank} failed:\n{value}")
+            failed.append(f"rank {rank} failed:\n{value}")
         results.append(value)
+    if failed:  # every rank's failure: the first is often only the echo of another's
+        raise AssertionError("\n".join(failed))
     return results
+
+
+_FRESH = """
+import importlib.util, pickle, sys
+sys.path[:0] = {paths!r}
+spec = importlib.util.spec_from_file_location({name!r}, {file!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules[{name!r}] = module
+spec.loader.exec_module(module)
+from ranks import run_ranks
+from pathlib import Path
+try:
+    out = ("ok", run_ranks(getattr(module, {fn!r}), {world_size!r}, Path({tmp!r}),
+                           timeout={timeout!r}, env={env!r}))
+except AssertionError as e:
+    out = ("error", str(e))
+Path({tmp!r}, "fresh.pickle").write_bytes(pickle.dumps(out))
+"""
+
+
+def run_ranks_fresh(
+    fn: Callable[[str], Any],
+    world_size: int,
+    tmp_path: Path,
+    *,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """:func:`run_ranks` from a fresh interpreter: the ranks fork from a process that ran
+    nothing else, so no state of earlier tests (threads, process groups, torch's flight
+    recorder) is theirs. ``fn`` must be a module-level function of a test file."""
+    import subprocess
+    import sys
+
+    module = sys.modules[fn.__module__]
+    code = _FRESH.format(
+        paths=[str(Path(__file__).parent), str(Path(str(module.__file__)).parent)],
+        name=fn.__module__,
+        file=str(module.__file__),
+        fn=fn.__name__,
+        world_size=world_size,
+        tmp=str(tmp_path),
+        timeout=timeout,
+        env=env or {},
+    )
+    subprocess.run([sys.executable, "-c", code], timeout=timeout + 120, check=True)
+    status, value = pickle.loads((tmp_path / "fresh.pickle").read_bytes())
+    if status != "ok":
+        raise AssertionError(value)
+    return list(value)
 
 
 def _child(

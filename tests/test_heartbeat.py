@@ -95,6 +95,32 @@ def test_a_killed_process_leaves_its_last_state_flagged_as_gone(where: Path) -> 
     assert hb.read_all(where) == []
 
 
+def test_a_killed_process_not_yet_reaped_is_gone_too(where: Path) -> None:
+    """A zombie (ended, its parent has not waited for it yet) writes nothing any more."""
+    child = _child(
+        """
+        from anydevice import heartbeat
+        heartbeat.mine()
+        print("in", flush=True)
+        import time
+        time.sleep(600)
+        """,
+        where,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "in\n"
+        child.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{child.pid}/stat").read_bytes().split(b") ")[1][:1] != b"Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (left,) = hb.read_all(where, prune=False)
+        assert left.pid == child.pid and not left.alive
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+
+
 def test_a_reader_never_sees_a_half_written_record(where: Path) -> None:
     beat = hb.Heartbeat.create()
     stop = threading.Event()

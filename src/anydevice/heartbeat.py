@@ -481,8 +481,9 @@ def _decode(raw: bytes, path: Path) -> Beat | None:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (None: no such process). Two
-    processes with one pid at different times differ here."""
+    """When ``pid`` started, in clock ticks since boot (None: no such process, or one
+    that has ended and waits to be reaped, a zombie). Two processes with one pid at
+    different times differ here."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -491,7 +492,8 @@ def _start_ticks(pid: int) -> int | None:
     except OSError:
         return 0  # cannot read: assume alive, start unknown
     try:
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] in (b"Z", b"X") else int(fields[19])
     except (ValueError, IndexError):
         return 0
 

@@ -12,6 +12,7 @@ import enum
 import os
 import pathlib
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -292,6 +293,41 @@ def test_a_background_save_keeps_every_extra_as_it_was_at_the_call(tmp_path):
 
 
 # ----------------------------------------------------------------------------- item 12
+
+
+def _save_after_a_peer_was_killed(init_method: str) -> dict:
+    """Rank 1 is SIGKILLed as rank 0 comes to save_state."""
+    with ad.distributed(init_method=init_method, timeout=10) as d:
+        net = ad.prepare(_net(), strategy="ddp")
+        if d.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            ad.save_state(os.environ["CKPT"], model=net, step=1)
+        except Exception as e:
+            return {"type": type(e).__name__, "error": str(e), "pid": os.getpid()}
+        return {"type": None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_save_state_waiting_for_a_rank_whose_process_ended_says_so(tmp_path):
+    """Not "call it on every rank": the rank did, its process died (a launcher's workers
+    share a run id, by which their heartbeats are found)."""
+    env = {
+        "CKPT": str(tmp_path / "ckpt"),
+        "TORCHELASTIC_RUN_ID": f"ended-{os.getpid()}",
+        "ANYDEVICE_HEARTBEAT_DIR": str(tmp_path / "beats"),
+    }
+    (tmp_path / "beats").mkdir()
+    with process_tree_guard(), pytest.raises(AssertionError) as failed:
+        run_ranks(_save_after_a_peer_was_killed, 2, tmp_path, timeout=120, env=env)
+    assert "rank 1 died without a result" in str(failed.value)
+    first = pickle.loads((tmp_path / "rank0.pickle").read_bytes())[1]
+    assert first["type"] == "DistributedTimeoutError", first
+    assert "rank(s) [1] did not call save_state" in first["error"]
+    assert "The process of rank 1 (pid " in first["error"], first["error"]
+    assert "call it on every rank" not in first["error"]
+    assert not (tmp_path / "ckpt").exists()
 
 
 def _save_on_rank_zero_only(init_method: str) -> dict:

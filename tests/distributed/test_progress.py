@@ -15,7 +15,7 @@ import torch
 import anydevice as ad
 from anydevice import heartbeat
 from anydevice.distributed.progress import fingerprint
-from ranks import run_ranks
+from ranks import run_ranks_fresh
 
 # A loaded machine may take a minute to show a collective's details: the ranks wait longer.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -61,10 +61,15 @@ def waits_in_all_reduce(init_method: str) -> dict[str, object]:
         }
 
 
+# The ranks fork from a fresh interpreter (run_ranks_fresh): in pytest's own process,
+# after hundreds of other tests, rank 0's record never showed its collective in three
+# suite runs (each passed alone); the cause in the inherited state is not found yet.
+
+
 def test_a_rank_in_a_collective_says_which_with_its_line(tmp_path):
     beats = tmp_path / "beats"
     beats.mkdir()
-    _, seen = run_ranks(
+    _, seen = run_ranks_fresh(
         waits_in_all_reduce, 2, tmp_path, env={"ANYDEVICE_HEARTBEAT_DIR": str(beats)}, timeout=240
     )
     assert seen["call"] == ("all_reduce", 2, "0")  # torch's own number in the group
@@ -98,7 +103,7 @@ def waits_in_ddp_backward(init_method: str) -> tuple[str, int, str]:
 def test_ddps_reductions_from_cpp_are_seen_at_the_backward_that_waits(tmp_path):
     beats = tmp_path / "beats"
     beats.mkdir()
-    _, (op, seq, at) = run_ranks(
+    _, (op, seq, at) = run_ranks_fresh(
         waits_in_ddp_backward, 2, tmp_path, env={"ANYDEVICE_HEARTBEAT_DIR": str(beats)}, timeout=240
     )
     assert op == "all_reduce" and seq > 1  # after DDP's own broadcasts at construction
@@ -129,7 +134,7 @@ def sleeps_outside(init_method: str) -> dict[str, object]:
 def test_a_rank_outside_any_collective_says_where_its_main_thread_is(tmp_path):
     beats = tmp_path / "beats"
     beats.mkdir()
-    where, _ = run_ranks(
+    where, _ = run_ranks_fresh(
         sleeps_outside, 2, tmp_path, env={"ANYDEVICE_HEARTBEAT_DIR": str(beats)}, timeout=240
     )
     line = _line(sleeps_outside, "# RANK 1 SLEEPS")

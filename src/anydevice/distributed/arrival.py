@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from typing import Any
 
 import torch.distributed as dist
 
+from anydevice import heartbeat
 from anydevice.errors import DistributedTimeoutError
 from anydevice.hardware.backends import torch_private
 
@@ -79,22 +81,20 @@ def enter(what: str, *, rank: int, size: int, call: str) -> None:
     bound = _bound(group_timeout(world))
     patience = bound / 4
     if not _wait(store, f"{key}/all", patience):
+        missing = _missing(store, key, size)
         logger.warning(
-            "%s: waiting for rank(s) %s, which have not called %s (%.0f s so far). %s is "
-            "collective: call it on every rank, not under `if rank == 0:`.",
+            "%s: waiting for rank(s) %s, which have not called %s (%.0f s so far). %s",
             call,
-            _missing(store, key, size),
+            missing,
             what,
             patience,
-            what,
+            _why(what, missing),
         )
         if not _wait(store, f"{key}/all", bound - patience):
             missing = _missing(store, key, size)
             raise DistributedTimeoutError(
                 f"{call}: rank(s) {missing} did not call {what} within {bound:.0f} s "
-                f"({size - len(missing)} of {size} ranks did). {what} is collective: call it "
-                f"on every rank (each writes or reads its own part), not under `if rank == "
-                f"0:` as with torch.save; rank 0 alone writes the files that are shared."
+                f"({size - len(missing)} of {size} ranks did). {_why(what, missing)}"
             )
     if rank == 0 and n > 0:  # every rank has left the wait of the call before
         _forget(store, f"anydevice/{what}/{n - 1}")
@@ -129,3 +129,38 @@ def _missing(store: Any, key: str, size: int) -> list[int]:
         return []
     came = {int(r) for r in text.split(",") if r.strip().isdigit()}
     return [r for r in range(size) if r not in came]
+
+
+def _why(what: str, missing: list[int]) -> str:
+    """Why ranks ``missing`` have not come: their processes ended, where this machine's
+    heartbeats of this job say so, else the call is not made on every rank."""
+    ended = _ended(missing)
+    if ended:
+        said = ", ".join(f"rank {r} (pid {pid})" for r, pid in sorted(ended.items()))
+        return (
+            f"The process of {said} has ended: its own output says why; the launcher stops "
+            "or restarts the others."
+        )
+    return (
+        f"{what} is collective: call it on every rank (each writes or reads its own part), "
+        "not under `if rank == 0:` as with torch.save; rank 0 alone writes the files that "
+        "are shared. Or a rank's process has ended: its own output says why."
+    )
+
+
+def _ended(ranks: list[int]) -> dict[int, int]:
+    """Of ``ranks``, those whose process on this machine has ended (rank -> pid), by the
+    heartbeats of this job (the launcher's run id) that no live process writes any more."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job:
+        return {}
+    ended: dict[int, int] = {}
+    live: set[int] = set()
+    for beat in heartbeat.read_all(prune=False):
+        if beat.rank not in ranks or beat.details.get("run_id") != job:
+            continue
+        if beat.alive:
+            live.add(beat.rank)
+        else:
+            ended[beat.rank] = beat.pid
+    return {r: pid for r, pid in ended.items() if r not in live}  # a restarted rank lives
