@@ -550,7 +550,7 @@ bool is_pinned_ptr(const void* ptr) {
   return ptr != nullptr && pinned().contains(ptr);
 }
 
-bool is_pinned(const at::Tensor& t) {
+bool is_pinned(const at::TensorBase& t) {
   return t.is_cpu() && t.has_storage() && is_pinned_ptr(t.storage().data());
 }
 

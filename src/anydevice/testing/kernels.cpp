@@ -308,6 +308,72 @@ Stack host_arguments(const Stack& stack, size_t first, bool copy_host) {
   return out;
 }
 
+// A key for the arguments' shapes, dtypes and values (not their data): what the meta
+// kernel's answer depends on. False for arguments it cannot say (symbolic sizes, objects).
+bool shape_key(const c10::IValue& v, std::string& key) {
+  auto add = [&](const auto& x) { key.append(reinterpret_cast<const char*>(&x), sizeof(x)); };
+  auto tensor = [&](const at::Tensor& t) {
+    add('T');
+    if (!t.defined()) {
+      add('u');
+      return true;
+    }
+    if (t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return false;
+    }
+    add(static_cast<int8_t>(t.scalar_type()));
+    add(static_cast<int8_t>(t.device().type()));
+    add(t.device().index());
+    add(t.unsafeGetTensorImpl()->is_wrapped_number());
+    add(static_cast<int64_t>(t.dim()));
+    for (int64_t d : t.sizes()) add(d);
+    for (int64_t d : t.strides()) add(d);
+    add(t.storage_offset());
+    add(static_cast<int64_t>(t.storage().nbytes()));
+    return true;
+  };
+  if (v.isNone()) {
+    add('N');
+  } else if (v.isTensor()) {
+    return tensor(v.toTensor());
+  } else if (v.isInt()) {
+    add('i');
+    add(v.toInt());
+  } else if (v.isDouble()) {
+    add('d');
+    add(v.toDouble());
+  } else if (v.isBool()) {
+    add('b');
+    add(v.toBool());
+  } else if (v.isComplexDouble()) {
+    add('c');
+    add(v.toComplexDouble());
+  } else if (v.isString()) {
+    add('s');
+    key += v.toStringRef();
+    add('\0');
+  } else if (v.isDevice()) {
+    add('D');
+    add(static_cast<int8_t>(v.toDevice().type()));
+    add(v.toDevice().index());
+  } else if (v.isIntList()) {
+    add('I');
+    for (int64_t x : v.toIntList()) add(x);
+    add('e');
+  } else if (v.isList()) {
+    add('L');
+    for (const c10::IValue& item : v.toList()) {
+      if (!shape_key(item, key)) {
+        return false;
+      }
+    }
+    add('e');
+  } else {
+    return false;  // symbolic numbers, generators, objects: not cached
+  }
+  return true;
+}
+
 // The outputs' shapes from torch's meta kernel; throws where there is none (or the
 // shape depends on the data).
 Stack meta_outputs(const c10::OperatorHandle& op, const Stack& stack, size_t first) {
@@ -330,6 +396,34 @@ Stack meta_outputs(const c10::OperatorHandle& op, const Stack& stack, size_t fir
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   op.callBoxed(&meta);
   return meta;
+}
+
+// meta_outputs, remembered per operator and shapes: torch's meta kernels for the common
+// operators are Python (they match torch.compile's), far slower than the CPU kernel;
+// a training loop repeats its shapes.
+const Stack& meta_cached(const c10::OperatorHandle& op, const Stack& stack, size_t first) {
+  thread_local std::unordered_map<std::string, Stack> known;
+  thread_local Stack scratch;
+  std::string key(reinterpret_cast<const char*>(&op.schema()), sizeof(void*));
+  bool cacheable = true;
+  for (size_t i = first; i < stack.size() && cacheable; ++i) {
+    cacheable = shape_key(stack[i], key);
+  }
+  if (cacheable) {
+    auto it = known.find(key);
+    if (it != known.end()) {
+      return it->second;
+    }
+  }
+  Stack meta = meta_outputs(op, stack, first);
+  if (!cacheable) {
+    scratch = std::move(meta);
+    return scratch;
+  }
+  if (known.size() > 4096) {
+    known.clear();
+  }
+  return known.emplace(std::move(key), std::move(meta)).first->second;
 }
 
 // Runs `op` on the host now, after the streams it touches: for operators whose results
@@ -391,6 +485,20 @@ void run_now(const c10::OperatorHandle& op, Stack* stack, size_t first, const Sc
   }
 }
 
+// Copies a CPU kernel's result into the output the meta kernel shaped. A few CPU kernels
+// return an empty tensor where the meta kernel shapes one that is not used (batch norm's
+// saved statistics in eval mode): it keeps its poison.
+void put(const at::Tensor& result, at::Tensor& out) {
+  if (result.sizes() == out.sizes()) {
+    out.copy_(result);
+  } else if (result.numel() == out.numel()) {
+    out.copy_(result.reshape(out.sizes()));
+  } else {
+    TORCH_CHECK(result.numel() == 0, "the CPU kernel's output has shape ", result.sizes(),
+                ", its meta kernel said ", out.sizes());
+  }
+}
+
 // The asynchronous path: outputs from the meta kernel, the CPU kernel queued.
 void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Scan& scan,
             const Facts& facts, const Stack& meta) {
@@ -413,6 +521,12 @@ void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Sca
 
   // Returns, and the host views the kernel's fresh results are copied into.
   Stack returns;
+  struct Poison {
+    void* data;
+    size_t bytes;
+    int value;
+  };
+  std::vector<Poison> poisons;  // fresh outputs' bytes, poisoned by the task
   std::vector<std::pair<size_t, at::Tensor>> fresh;  // (return, its host view)
   std::vector<std::pair<size_t, std::vector<at::Tensor>>> fresh_lists;
   auto make = [&](const at::Tensor& shape, size_t i) -> at::Tensor {
@@ -435,7 +549,21 @@ void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Sca
         return view;
       }
     }
-    return empty_on(home, shape.sizes(), shape.strides(), shape.scalar_type());
+    const c10::DeviceGuard guard(home);
+    t_unpoisoned = true;  // the kernel's task poisons it, before it runs
+    at::Tensor out;
+    try {
+      out = empty_on(home, shape.sizes(), shape.strides(), shape.scalar_type());
+    } catch (...) {
+      t_unpoisoned = false;
+      throw;
+    }
+    t_unpoisoned = false;
+    if (out.storage().nbytes() > 0) {  // 0xFF is no valid bool: bool tensors start true
+      poisons.push_back({out.storage().mutable_data(), out.storage().nbytes(),
+                         out.scalar_type() == at::kBool ? 0x01 : 0xFF});
+    }
+    return out;
   };
   bool kernel = facts.no_returns;  // a void operator writes its arguments
   for (size_t i = 0; i < meta.size(); ++i) {
@@ -471,21 +599,21 @@ void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Sca
 
   if (kernel) {
     Stack host = host_arguments(*stack, first, /*copy_host=*/true);
-    auto task = [op, host, fresh, fresh_lists]() mutable {
+    auto task = [op, host, fresh, fresh_lists, poisons]() mutable {
+      for (const auto& p : poisons) {
+        std::memset(p.data, p.value, p.bytes);
+      }
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &host);
       for (auto& [i, view] : fresh) {
-        const at::Tensor result = host[i].toTensor();
-        TORCH_CHECK(result.sizes() == view.sizes(), "the CPU kernel's output has shape ",
-                    result.sizes(), ", its meta kernel said ", view.sizes());
-        view.copy_(result);
+        put(host[i].toTensor(), view);
       }
       for (auto& [i, views] : fresh_lists) {
         const auto results = host[i].toTensorList();
         TORCH_CHECK(results.size() == views.size(), "the CPU kernel returned ", results.size(),
                     " tensors, its meta kernel ", views.size());
         for (size_t k = 0; k < views.size(); ++k) {
-          views[k].copy_(results.get(k));
+          put(results.get(k), views[k]);
         }
       }
     };
@@ -509,10 +637,11 @@ void run_on_device(const c10::OperatorHandle& op, Stack* stack) {
     run_now(op, stack, first, scan);
     return;
   }
-  Stack meta;
+  static const Stack none;
+  const Stack* meta = &none;
   if (!facts.no_returns) {
     try {
-      meta = meta_outputs(op, *stack, first);
+      meta = &meta_cached(op, *stack, first);
     } catch (const std::exception& e) {
       if (std::getenv("ANYDEVICE_SIM_DEBUG") != nullptr) {
         fprintf(stderr, "anydevice simulator: no meta for %s: %s\n", facts.name, e.what());
@@ -523,7 +652,7 @@ void run_on_device(const c10::OperatorHandle& op, Stack* stack) {
       return;
     }
   }
-  launch(op, stack, first, scan, facts, meta);
+  launch(op, stack, first, scan, facts, *meta);
 }
 
 // Convolutions: torch sends a backend other than the CPU and CUDA to the "overrideable"

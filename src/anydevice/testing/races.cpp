@@ -12,7 +12,8 @@
 #include <unordered_set>
 
 namespace anydevice_races {
-namespace {
+// Named, not anonymous: Detector::Impl's fields have these types.
+namespace detail {
 
 constexpr int kHost = 0;  // the host's index among the streams
 constexpr size_t kWaits = 4;  // waits kept per stream, for the hints
@@ -109,7 +110,7 @@ std::string dtype_name(c10::ScalarType t) {
   }
 }
 
-std::string describe(const at::Tensor& t) {
+std::string describe(const at::TensorBase& t) {
   std::ostringstream out;
   out << "(";
   const auto sizes = t.sizes();
@@ -121,7 +122,9 @@ std::string describe(const at::Tensor& t) {
   return out.str();
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 struct Detector::Impl {
   std::mutex mu;

@@ -24,7 +24,7 @@
 
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/core/TensorBase.h>
 #include <c10/core/Stream.h>
 
 #include <atomic>
@@ -96,7 +96,7 @@ enum class Mode : int { off = 0, warn = 1, raise = 2 };
 struct Use {
   const void* key;  // the storage's data pointer: the block
   const void* owner;  // the StorageImpl: a new one at an old address is a reuse
-  const at::Tensor* tensor;  // for the report
+  const at::TensorBase* tensor;  // for the report
   bool write;
   bool host;  // host memory (pinned)
 };

@@ -12,7 +12,7 @@
 
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/core/TensorBase.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Stream.h>
@@ -111,13 +111,15 @@ void trace(const char* what, int device, int64_t stream, int64_t bytes,
 // Memory (memory.cpp for the device, device.cpp for pinned host memory).
 
 c10::DeviceAllocator* device_allocator();
-// Allocates on `device` for the current stream there (the block's stream, as on CUDA).
+// Allocates on `device` for the current stream there (the block's stream, as on CUDA),
+// and queues its poison there (unless t_unpoisoned: the caller's task poisons it).
 c10::DataPtr allocate(c10::DeviceIndex device, size_t bytes);
+extern thread_local bool t_unpoisoned;
 // The device a pointer into device memory belongs to, or -1.
 c10::DeviceIndex device_of_ptr(const void* ptr);
 c10::Allocator* pinned_allocator();
 bool is_pinned_ptr(const void* ptr);
-bool is_pinned(const at::Tensor& t);
+bool is_pinned(const at::TensorBase& t);
 
 // ---------------------------------------------------------------------------
 // Controls (device.cpp), for the Python module.

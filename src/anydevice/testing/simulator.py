@@ -1,7 +1,8 @@
 """The simulated accelerator: build, register, configure.
 
 :func:`enable` builds the C++ sources beside this file (``device.cpp``, ``memory.cpp``,
-``kernels.cpp``, ``races.cpp``, ``watch.cpp``, ``module.cpp``) with
+``kernels.cpp``, ``races.cpp``, ``watch.cpp``, ``module.cpp``, in two files built in
+parallel: ``sim_operators.cpp`` and ``sim_runtime.cpp``) with
 :func:`anydevice.load_extension` (once per source, compiler and torch: later calls, in
 any process, load the cached library), then registers it as torch's ``privateuse1``
 backend under the name given, with a device module (``torch.<name>``) and the tensor
@@ -81,10 +82,16 @@ logger = logging.getLogger("anydevice")
 #: The oldest torch the simulator is built and tested against. It needs
 #: ``c10::DeviceAllocator`` with ``getMemoryInfo`` and ``torch.accelerator.memory``.
 MIN_TORCH = (2, 13)
-#: The simulator's C++ sources, shipped beside this file (built in parallel).
-SOURCES = tuple(
+#: The simulator's C++ sources, shipped beside this file: two files that include the
+#: others, so the heavy headers are read twice and the two build in parallel.
+SOURCES = (Path(__file__).with_name("sim_operators.cpp"), Path(__file__).with_name("sim_runtime.cpp"))
+#: What they include: part of the build cache's key.
+DEPENDS = tuple(
     Path(__file__).with_name(name)
-    for name in ("device.cpp", "memory.cpp", "kernels.cpp", "races.cpp", "watch.cpp", "module.cpp")
+    for name in (
+        "kernels.cpp", "watch.cpp", "device.cpp", "memory.cpp", "races.cpp", "module.cpp",
+        "sim.h", "races.h",
+    )
 )
 #: The range of a link's speed, bytes per second (beyond it, pass None: no delay).
 MIN_BANDWIDTH = 1e3
@@ -143,8 +150,8 @@ def parse_bandwidth(value: float | str | None) -> float:
             ) from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DeviceSpecError(
-            f"bandwidth must be text such as '2GB/s', a number or None, not "
-            f"{type(value).__name__} ({value!r})"
+            f"bandwidth={value!r} must be text such as '2GB/s', a number or None, not "
+            f"{type(value).__name__}"
         )
     else:
         per_second = float(value)
@@ -220,7 +227,7 @@ def load() -> Any:
     if _lib is None:
         from anydevice.extension import is_built, load_extension
 
-        building = not is_built(_EXTENSION, SOURCES, extra_cflags=_CFLAGS)
+        building = not is_built(_EXTENSION, SOURCES, extra_cflags=_CFLAGS, depends=DEPENDS)
         if building:
             logger.warning(
                 "anydevice.testing: building the simulated accelerator from C++, once for this "
@@ -229,7 +236,7 @@ def load() -> Any:
                 _cache(),
             )
         t0 = time.perf_counter()
-        _lib = load_extension(_EXTENSION, SOURCES, extra_cflags=_CFLAGS)
+        _lib = load_extension(_EXTENSION, SOURCES, extra_cflags=_CFLAGS, depends=DEPENDS)
         seconds = time.perf_counter() - t0
         if building:
             logger.warning("anydevice.testing: built the simulated accelerator in %.0f s", seconds)
@@ -437,7 +444,8 @@ def bandwidth() -> float:
 
 def set_capacity(value: int | str | None) -> None:
     """Change each device's memory (``"1GiB"``, bytes, None: the host's memory)."""
-    _library().set_capacity(_capacity_bytes(value))
+    limit = _capacity_bytes(value)
+    _library().set_capacity(limit)
 
 
 def busy(seconds: float, device: Any = None) -> None:

@@ -1,0 +1,7 @@
+// The simulator's files that need no dispatcher, built as one: streams, events, the guard
+// and pinned memory (device.cpp), the caching allocator (memory.cpp), the race detector
+// (races.cpp) and the Python module (module.cpp). See sim_operators.cpp.
+#include "device.cpp"
+#include "memory.cpp"
+#include "races.cpp"
+#include "module.cpp"
