@@ -113,7 +113,9 @@ def test_a_users_test_with_a_race_fails_even_when_it_caught_it(tmp_path: Path) -
         "    x = torch.ones(8).pin_memory().to(sim_device, non_blocking=True)\n"
         "    assert (x * 2).cpu().tolist() == [2.0] * 8\n"
     )
-    proc = _child(["-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider", "-p", "no:randomly"])
+    proc = _child(
+        ["-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "1 failed, 2 passed" in out, out
     assert re.search(r"FAILED .*test_caught .*StreamRaceError", out), out
@@ -186,13 +188,13 @@ def test_a_report_reads_as_both_accesses_the_tensor_and_the_fix() -> None:
         now=Access("train.py:9", "aten::mul", "the default stream of sim:0", 9),
         before=Access("train.py:7", "aten::_to_copy", "stream 1 of sim:0", 7),
         fix="before line 9, `torch.accelerator.current_stream().wait_stream(copier)`",
-        why="Nothing orders the read after the write: it may read the bytes from before it.",
+        why="Nothing orders the read after the write: it may read the old bytes.",
     )
     assert str(report).splitlines() == [
         "stream race: read after write on a tensor (4,) float32 on sim:0",
         "  read    at train.py:9 (aten::mul) on the default stream of sim:0",
         "  written at train.py:7 (aten::_to_copy) on stream 1 of sim:0",
-        "  Nothing orders the read after the write: it may read the bytes from before it.",
+        "  Nothing orders the read after the write: it may read the old bytes.",
         "  fix: before line 9, `torch.accelerator.current_stream().wait_stream(copier)`",
     ]
     error = testing.StreamRaceError(report)

@@ -508,7 +508,8 @@ def load_extension(
         extra_cflags: flags for the C++ compiler (``["-O3"]``).
         extra_cuda_cflags: flags for nvcc (``["-O3", "--use_fast_math"]``).
         depends: files the sources include (headers, or sources compiled together in one
-            file): their contents count in the build folder's name, as the sources' do.
+            file): their contents count in the build folder's name, as the sources' do,
+            and a ``PYBIND11_MODULE`` in them makes the result a Python module.
         build_dir: the folder build folders go under (default: the user's cache).
         verbose: print the build's commands and output as it runs.
 
@@ -591,7 +592,7 @@ def load_extension(
                 build_directory=str(folder),
                 verbose=verbose,
                 with_cuda=cuda_flags is not None,
-                is_python_module=_is_python_module(kept),
+                is_python_module=_is_python_module([*kept, *map(Path, depends)]),
             )
     except RuntimeError as e:
         text = str(e)

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     os.environ.setdefault("ANYDEVICE_DEVICE", ns.name)
     sys.argv = [ns.script, *ns.args]
-    code: object = 0
+    code: str | int | None = 0
     try:
         runpy.run_path(ns.script, run_name="__main__")
     except SystemExit as e:

@@ -9,7 +9,7 @@ pair the first time it happens, whatever the timing, and names both lines::
     StreamRaceError: read after write on a tensor (1048576,) float32 on sim:0
       read    at train.py:14 (aten::mul) on the default stream of sim:0
       written at train.py:11 (aten::copy_) on stream 1 of sim:0, made at train.py:9
-      Nothing orders the read after the write: it may read the bytes from before it.
+      Nothing orders the read after the write: it may read the old bytes.
       fix: before line 14, `torch.accelerator.current_stream().wait_stream(copier)`
 
 How it works (torch's CUDA sanitizer's algorithm, on torch's device-generic API): each
@@ -102,7 +102,8 @@ class RaceReport:
     """A race the detector found: the access now, the one before it that nothing orders,
     the memory, and the fix. ``str()`` is the message raised or warned."""
 
-    kind: str  #: ``"read after write"``, ``"write after read"``, ``"write after write"``, ``"timing"``
+    #: ``"read after write"``, ``"write after read"``, ``"write after write"``, ``"timing"``
+    kind: str
     tensor: str  #: ``"(1048576,) float32 on sim:0"`` (the tensor of the access now)
     now: Access
     before: Access
@@ -117,7 +118,10 @@ class RaceReport:
             "write after write": ("written", "written before"),
         }
         if self.kind == "timing":
-            head = f"stream race: elapsed_time read at {self.now.site} before the event was known complete"
+            head = (
+                f"stream race: elapsed_time read at {self.now.site} before the event was "
+                "known complete"
+            )
             lines = [
                 f"  the event was recorded at {self.before.site} on {self.before.stream} "
                 f"({self.before.op}); the host had not waited for it"
@@ -127,8 +131,8 @@ class RaceReport:
             head = f"stream race: {self.kind} on a tensor {self.tensor}"
             width = max(len(now_verb), len(before_verb))
             lines = [
-                f"  {now_verb:<{width}} at {self.now.site} ({self.now.op}) on {self.now.stream}",
-                f"  {before_verb:<{width}} at {self.before.site} ({self.before.op}) on {self.before.stream}",
+                f"  {verb:<{width}} at {a.site} ({a.op}) on {a.stream}"
+                for verb, a in ((now_verb, self.now), (before_verb, self.before))
             ]
             if self.freed is not None:
                 lines.append(
@@ -178,6 +182,14 @@ def expect_races() -> Iterator[list[RaceReport]]:
         _collecting.remove(caught)
     if not caught:
         raise AssertionError("expect_races(): the block made no stream race report")
+
+
+def forget() -> None:
+    """Forget every stream's clock, every access and every race reported so far, as in a
+    fresh process (the reports already made stay in :func:`race_reports`): for repeated
+    runs of one program in a benchmark. Not while work is queued that matters."""
+    if _lib is not None:
+        _lib.reset_races()
 
 
 def detect_races(mode: RaceMode = "raise") -> None:
@@ -325,7 +337,11 @@ def _short(file: str) -> str:
 def _stream(s: dict[str, Any]) -> str:
     if s["host"]:
         return "the host"
-    name = f"the default stream of {s['device']}" if s["id"] == 0 else f"stream {s['id']} of {s['device']}"
+    name = (
+        f"the default stream of {s['device']}"
+        if s["id"] == 0
+        else f"stream {s['id']} of {s['device']}"
+    )
     if s["made"] >= 0:
         name += f" (made at {_site(s['made'], function=False)[0]})"
     return name
@@ -369,7 +385,10 @@ def _report(info: dict[str, Any]) -> RaceReport:
         if kind == "read after write":
             why = "The host may read the buffer before the copy into it lands: old bytes, or NaN."
         else:
-            why = "The host may change the buffer while the copy still reads it: the device gets the new bytes."
+            why = (
+                "The host may change the buffer while the copy still reads it: the device "
+                "gets the new bytes."
+            )
         waits = "`torch.accelerator.synchronize()`"
         if before["stream"]["id"] != 0:
             waits = f"`{before_expr}.synchronize()` (the copy's stream), or {waits}"
@@ -378,32 +397,38 @@ def _report(info: dict[str, Any]) -> RaceReport:
             f"{before_line} and `.synchronize()`d"
         )
         if info["hint"] == "synchronized another stream":
-            fix += f" (line {_line(info['hint_site'])} synchronized {_stream(info['hint_stream'])} instead)"
+            other = _stream(info["hint_stream"])
+            fix += f" (line {_line(info['hint_site'])} synchronized {other} instead)"
     else:
-        why = {
-            "read after write": "Nothing orders the read after the write: it may read the bytes from before it.",
-            "write after read": "Nothing orders the write after the read: the read may see the new bytes.",
-            "write after write": "Nothing orders the two writes: either may land last.",
-        }[kind]
+        why = (
+            "Nothing orders "
+            + {
+                "read after write": "the read after the write: it may read the old bytes.",
+                "write after read": "the write after the read: the read may see the new bytes.",
+                "write after write": "the two writes: either may land last.",
+            }[kind]
+        )
         if info["reused"]:
             tensor = _name_at(info["freed"], r"\s*del\s+([A-Za-z_][\w.]*)\s*(?:#.*)?$") or "tensor"
             fix = (
                 f"keep the freed tensor's memory for {before_expr} until it is done: "
                 f"`{tensor}.record_stream({before_expr})` before it is freed"
                 + (f" (line {_line(info['freed'])})" if freed else "")
-                + f", or `torch.accelerator.current_stream().wait_stream({before_expr})` before the free"
+                + ", or `torch.accelerator.current_stream().wait_stream("
+                + f"{before_expr})` before the free"
             )
         elif info["hint"] == "event on another stream":
             fix = (
-                f"record the event on {before_expr}, the stream that made the tensor: `e.record({before_expr})` "
-                f"after line {before_line} (line {_line(info['hint_site'])} recorded it on "
-                f"{_stream(info['hint_stream'])})"
+                f"record the event on {before_expr}, the stream that made the tensor: "
+                f"`e.record({before_expr})` after line {before_line} (line "
+                f"{_line(info['hint_site'])} recorded it on {_stream(info['hint_stream'])})"
             )
         elif before["stream"]["id"] == 0 and now["stream"]["id"] != 0:
+            side = _stream_expr(now["stream"])
             fix = (
-                f"make {_stream_expr(now['stream'])} wait for the default stream before it runs line "
-                f"{now_line}: `{_stream_expr(now['stream'])}.wait_stream(torch.accelerator.current_stream())` "
-                "before its `with` block (ad.side_stream() does it on entry)"
+                f"make {side} wait for the default stream before it runs line {now_line}: "
+                f"`{side}.wait_stream(torch.accelerator.current_stream())` before its `with` "
+                "block (ad.side_stream() does it on entry)"
             )
         else:
             fix = f"{at_now}, `torch.accelerator.current_stream().wait_stream({before_expr})`"

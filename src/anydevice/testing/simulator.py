@@ -53,8 +53,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.errors import AnydeviceError, DeviceSpecError
-from anydevice.testing.races import RaceMode, check_mode
-from anydevice.testing.races import start as start_races
+from anydevice.testing.races import RaceMode, check_mode, start as start_races
 
 if TYPE_CHECKING:
     import torch
@@ -84,13 +83,22 @@ logger = logging.getLogger("anydevice")
 MIN_TORCH = (2, 13)
 #: The simulator's C++ sources, shipped beside this file: two files that include the
 #: others, so the heavy headers are read twice and the two build in parallel.
-SOURCES = (Path(__file__).with_name("sim_operators.cpp"), Path(__file__).with_name("sim_runtime.cpp"))
+SOURCES = (
+    Path(__file__).with_name("sim_operators.cpp"),
+    Path(__file__).with_name("sim_runtime.cpp"),
+)
 #: What they include: part of the build cache's key.
 DEPENDS = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "kernels.cpp", "watch.cpp", "device.cpp", "memory.cpp", "races.cpp", "module.cpp",
-        "sim.h", "races.h",
+        "kernels.cpp",
+        "watch.cpp",
+        "device.cpp",
+        "memory.cpp",
+        "races.cpp",
+        "module.cpp",
+        "sim.h",
+        "races.h",
     )
 )
 #: The range of a link's speed, bytes per second (beyond it, pass None: no delay).
@@ -484,13 +492,11 @@ def _index(device: Any, count: int) -> int:
             dev = torch.device(device)
         except (TypeError, RuntimeError) as e:
             raise DeviceSpecError(
-                f"device={device!r} is not a device: pass an index, '{_name}:i' or a "
-                "torch.device"
+                f"device={device!r} is not a device: pass an index, '{_name}:i' or a torch.device"
             ) from e
         if dev.type != _name:
             raise DeviceSpecError(
-                f"device={device!r} is not the simulated accelerator; pass an index or "
-                f"'{_name}:i'"
+                f"device={device!r} is not the simulated accelerator; pass an index or '{_name}:i'"
             )
         if dev.index is None:
             return -1
