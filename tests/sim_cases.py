@@ -19,6 +19,7 @@ import gc
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ def pinned(value: float, n: int = N) -> torch.Tensor:
 def _line_of(text: str) -> int:
     """The line of this file that holds ``text`` (once)."""
     with open(__file__) as f:
-        (line,) = [i for i, got in enumerate(f, start=1) if text in got and "_line_of(" not in got]
+        (line,) = [i for i, got in enumerate(f, start=1) if text in got and f'"{text}' not in got]
     return line
 
 
@@ -444,9 +445,11 @@ def test_throughput_reads_the_devices_time() -> None:
 # into it; the same traffic with the ordering point in place is clean (the cases above).
 
 
-def _remove(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, text: str) -> None:
+def _remove(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, text: str, instead: str = "pass"
+) -> None:
     """Replace ``owner.name`` by its own source with the one line holding ``text`` taken
-    out: anydevice's code as it is, less one ordering point."""
+    out (or written ``instead``): anydevice's code as it is, less one ordering point."""
     import inspect
     import textwrap
 
@@ -454,7 +457,8 @@ def _remove(monkeypatch: pytest.MonkeyPatch, owner: object, name: str, text: str
     source, first = inspect.getsourcelines(func)
     lines = textwrap.dedent("".join(source)).splitlines()
     (i,) = [k for k, line in enumerate(lines) if text in line]
-    lines[i] = lines[i][: len(lines[i]) - len(lines[i].lstrip())] + "pass  # removed"
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = indent + (lines[i].strip().replace(text, instead) if instead != "pass" else "pass")
     code = "\n" * (first - 1) + "\n".join(lines)  # at its own lines, as tracebacks show it
     namespace: dict[str, object] = {}
     exec(compile(code, inspect.getsourcefile(func) or "?", "exec"), func.__globals__, namespace)
@@ -560,6 +564,33 @@ def test_removed_the_loaders_wait_for_its_copy_times(monkeypatch: pytest.MonkeyP
     assert found[0].kind == "timing" and found[0].now.line == _line_of(
         "assert loader.stats.batches == 2  # adds up"
     )
+
+
+def test_removed_save_states_wait_for_its_copy_to_the_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The background save copies the state to the host with a blocking copy, then writes
+    it in a thread. Made non-blocking, the writer reads the pinned buffers before the
+    copies land: a read no operator makes (torch.save), seen through the pinned memory's
+    protected mapping."""
+    import anydevice as ad
+    from anydevice.distributed import state
+    from anydevice.testing import expect_races, set_bandwidth
+
+    _remove(monkeypatch, state, "_to_host", '.to("cpu", copy=True)',
+            instead='.to("cpu", copy=True, non_blocking=True)')  # fmt: skip
+    model = torch.nn.Linear(256, 256).to(dev())
+    set_bandwidth("10MB/s")  # the copies land long after the writer starts
+    try:
+        with expect_races() as found:
+            ad.save_state(tmp_path / "ckpt", model=model, step=1, background=True)
+            ad.wait_for_saves()
+    finally:
+        torch.accelerator.synchronize()
+        set_bandwidth("2GB/s")
+    race = found[0]
+    assert race.kind == "read after write" and race.now.stream == "the host", race
+    assert "outside torch's operators" in race.now.op, race
 
 
 # --- selected like any accelerator ----------------------------------------------------------

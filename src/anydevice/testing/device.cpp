@@ -9,13 +9,14 @@
 //   whoever reads early reads the poison (or the old values).
 // - A task that fails (a kernel's error) is reported at the host's next wait for its
 //   stream, as a GPU reports a failed kernel at a later call.
+//
+// Pinned host memory is pinned.cpp's.
 
 #include "sim.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/core/impl/alloc_cpu.h>
 
 #include <unistd.h>
 
@@ -269,66 +270,6 @@ Event& event_of(void* handle) {
 }
 
 // ---------------------------------------------------------------------------
-// Pinned host memory: ordinary host memory this backend knows as pinned, so copies from
-// it (and to it) may run asynchronously, as page-locked memory does on a GPU.
-
-class PinnedMemory final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t bytes) override {
-    void* data = bytes > 0 ? c10::alloc_cpu(bytes) : nullptr;
-    if (data != nullptr) {
-      // Poisoned too: a pinned buffer read before its device-to-host copy landed shows
-      // NaN, where a reused buffer on a GPU shows an older batch.
-      std::memset(data, 0xFF, bytes);
-      std::lock_guard<std::mutex> lock(mutex_);
-      blocks_[reinterpret_cast<uintptr_t>(data)] = bytes;
-    }
-    return {data, data, &PinnedMemory::release, c10::Device(c10::DeviceType::CPU)};
-  }
-
-  c10::DeleterFnPtr raw_deleter() const override { return &PinnedMemory::release; }
-
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
-  }
-
-  // Whether ptr lies inside a pinned block (a view into one is pinned too).
-  bool contains(const void* ptr) {
-    const auto p = reinterpret_cast<uintptr_t>(ptr);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = blocks_.upper_bound(p);
-    if (it == blocks_.begin()) {
-      return false;
-    }
-    --it;
-    return p < it->first + it->second;
-  }
-
-  static void release(void* data);
-
-  void forget(void* data) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      blocks_.erase(reinterpret_cast<uintptr_t>(data));
-    }
-    c10::free_cpu(data);
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<uintptr_t, size_t> blocks_;
-};
-
-PinnedMemory& pinned() {
-  static auto* memory = new PinnedMemory();  // never destroyed: frees at exit
-  return *memory;
-}
-
-void PinnedMemory::release(void* data) {
-  pinned().forget(data);
-}
-
-// ---------------------------------------------------------------------------
 // The device guard: current device, streams, events, for torch's device-generic API.
 
 class Guard final : public c10::impl::DeviceGuardImplInterface {
@@ -523,8 +464,8 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
   c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override {
     return exchangeDevice(device);
   }
-  at::Allocator* getPinnedMemoryAllocator() const override { return &pinned(); }
-  bool isPinnedPtr(const void* data) const override { return pinned().contains(data); }
+  at::Allocator* getPinnedMemoryAllocator() const override { return pinned_allocator(); }
+  bool isPinnedPtr(const void* data) const override { return is_pinned_ptr(data); }
   at::Device getDeviceFromPtr(void* data) const override {
     const auto device = device_of_ptr(data);
     TORCH_CHECK(device >= 0, "anydevice simulator: not a device pointer");
@@ -541,18 +482,6 @@ struct Hooks final : public at::PrivateUse1HooksInterface {
 };
 
 }  // namespace
-
-c10::Allocator* pinned_allocator() {
-  return &pinned();
-}
-
-bool is_pinned_ptr(const void* ptr) {
-  return ptr != nullptr && pinned().contains(ptr);
-}
-
-bool is_pinned(const at::TensorBase& t) {
-  return t.is_cpu() && t.has_storage() && is_pinned_ptr(t.storage().data());
-}
 
 void register_device() {
   static bool done = false;

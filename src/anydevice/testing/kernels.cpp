@@ -828,16 +828,27 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
   Stream& stream = stream_of(device, stream_id);
   const bool pinned = is_pinned(host);
   // The task holds the host memory (torch's pinned allocator waits for the copy too),
-  // through a tensor Python never saw: the worker that drops it needs no GIL.
-  at::Tensor held = same_bytes(host);
+  // through a tensor Python never saw: the worker that drops it needs no GIL. It copies
+  // through pinned memory's second mapping, which stays open while the host's is
+  // protected (pinned.cpp).
+  at::Tensor owner = same_bytes(host);
+  at::Tensor held = owner;
+  if (pinned) {
+    const c10::Storage storage = host.storage();
+    c10::Storage through(c10::Storage::use_byte_size_t(), storage.nbytes(),
+                         c10::DataPtr(pinned_alias(storage.data()), c10::Device(c10::DeviceType::CPU)),
+                         nullptr, /*resizable=*/false);
+    held = host_view(through, host, &through);
+  }
   if (to_device && non_blocking && !pinned) {
     stream.synchronize();  // CUDA's driver waits for the stream before staging pageable bytes
     held = host.clone();  // the staging buffer: the caller may change src once this returns
+    owner = held;
   }
   c10::Storage shared;
   at::Tensor view = host_view(dev.storage(), dev, &shared);
   const int64_t ticket = stream.enqueue(
-      [held, view, device, to_device, bytes, stream_id]() mutable {
+      [owner, held, view, device, to_device, bytes, stream_id]() mutable {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
         cross_link(device, to_device, bytes, stream_id);
         // The bytes land at the end of the transfer: a reader that did not wait sees the

@@ -203,6 +203,7 @@ void deliver(std::vector<Race>& races) {
     info["hint_site"] = r.hint_site;
     info["hint_site2"] = r.hint_site2;
     info["hint_stream"] = stream_dict(r.hint_stream);
+    info["trace"] = r.now_trace;
     PyObject* result = PyObject_CallOneArg(g_deliver, info.ptr());
     if (result == nullptr) {
       throw py::error_already_set();  // the StreamRaceError, raised where the user called
@@ -210,6 +211,39 @@ void deliver(std::vector<Race>& races) {
     Py_DECREF(result);
   }
 }
+
+// The host's raw accesses to protected pinned memory (faults), reported.
+void deliver_host_faults() {
+  std::vector<Race> races;
+  {
+    WithoutGil unlocked;  // the detector's lock is taken without the GIL elsewhere
+    for (const auto& f : anydevice_sim::take_host_faults()) {
+      detector().host_fault(f.base, f.write, f.traceback, races);
+    }
+  }
+  if (!races.empty()) {
+    deliver(races);
+  }
+}
+
+namespace {
+
+// Runs in the main thread, at its next bytecode, after the signal handler asked.
+int faults_pending(void* /*unused*/) {
+  try {
+    deliver_host_faults();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return -1;  // the StreamRaceError, raised in the main thread
+  }
+  return 0;
+}
+
+void ask_for_a_look() {
+  Py_AddPendingCall(&faults_pending, nullptr);
+}
+
+}  // namespace
 
 }  // namespace anydevice_races
 
@@ -252,6 +286,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         races::register_watch();
         races::watch_guard(type);
         races::detector().start(type, simulated, static_cast<races::Mode>(mode));
+        if (simulated) {  // its pinned memory can be protected while copies are pending
+          anydevice_sim::watch_host_faults(&races::ask_for_a_look);
+          races::detector().guard_host_memory(&anydevice_sim::protect_pinned,
+                                              &anydevice_sim::unprotect_pinned);
+        }
       },
       py::arg("device_type"), py::arg("simulated"), py::arg("mode"), py::arg("ignored"),
       py::arg("stdlib"), py::arg("deliver"));
@@ -259,6 +298,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("race_mode", [] { return static_cast<int>(races::detector().mode()); });
   m.def("watch_thread", &races::watch_thread, py::arg("on"));
   m.def("reset_races", [] { races::detector().reset(); });
+  m.def("forget_reported", [] { races::detector().forget_reported(); });
+  m.def("deliver_host_faults", &races::deliver_host_faults);
   m.def("stop_sites", [] { races::g_on = false; });
   m.def("site", [](int id) -> py::object {
     if (id < 0 || static_cast<size_t>(id) >= races::g_sites.size()) {

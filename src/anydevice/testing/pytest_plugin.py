@@ -60,8 +60,9 @@ def sim_device(request: pytest.FixtureRequest) -> torch.device:
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     """Fail a test in which a stream race was reported, though the test caught it."""
     from anydevice.testing import StreamRaceError
-    from anydevice.testing.races import race_mode, uncaught
+    from anydevice.testing.races import forget_reported, race_mode, uncaught
 
+    forget_reported()  # each test reports its own races, though an earlier one had them
     before = len(uncaught())
     result = yield
     found = uncaught()[before:]

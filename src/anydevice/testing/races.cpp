@@ -141,6 +141,22 @@ struct Detector::Impl {
   int last_wait_stream = -1, last_wait_site = -1;  // the host's last stream or event wait
   uint64_t last_wait_tick = 0;
   std::atomic<int>* pending = nullptr;
+  void (*protect)(const void*, bool) = nullptr;  // a pinned block's pending copies
+  void (*unprotect)(const void*) = nullptr;
+
+  // Protects a pinned block while copies into (no host access) or out of it (no host
+  // write) are pending; lifted when the host has seen them complete.
+  void guard(const void* key, const Block& b) {
+    if (protect != nullptr) {
+      protect(key, b.write.stream >= 0 && !ordered(kHost, b.write));
+    }
+  }
+
+  void release(const void* key) {
+    if (unprotect != nullptr) {
+      unprotect(key);
+    }
+  }
 
   Impl() { clear(); }
 
@@ -230,6 +246,7 @@ struct Detector::Impl {
         if (b != blocks.end()) {
           blocks.erase(b);
         }
+        release(*it);
         it = host_blocks.erase(it);
       } else {
         ++it;
@@ -260,7 +277,9 @@ struct Detector::Impl {
     } else if (b.host || use.host || simulated) {
       // Host memory is reused only once its copies are done (the pinned allocators wait
       // for them); the simulator's allocator says itself when it reuses a block.
-      host_blocks.erase(use.key);
+      if (host_blocks.erase(use.key) > 0) {
+        release(use.key);
+      }
       pending->store(static_cast<int>(host_blocks.size()));
       b = Block{};
       b.owner = use.owner;
@@ -322,8 +341,9 @@ struct Detector::Impl {
   void report(const char* kind, const Block& b, const Use& use, const Access& now,
               const Access& before, std::vector<Race>& out) {
     std::ostringstream key;
-    key << kind << '|' << now.site << '|' << before.site << '|' << now.stream << '|' << before.stream
-        << '|' << now.op << '|' << before.op;
+    // Once per pair of lines and operators (a loop that makes a new stream each time races
+    // once, not once per stream).
+    key << kind << '|' << now.site << '|' << before.site << '|' << now.op << '|' << before.op;
     if (!seen.insert(key.str()).second) {
       return;
     }
@@ -381,6 +401,13 @@ void Detector::set_mode(Mode mode) {
   mode_.store(static_cast<int>(mode));
 }
 
+void Detector::forget_reported() {
+  if (impl_ != nullptr) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->seen.clear();
+  }
+}
+
 void Detector::reset() {
   if (impl_ != nullptr) {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -397,10 +424,13 @@ void Detector::kernel(const c10::Stream& s, const Use* uses, size_t n, int site,
     const Use& use = uses[k];
     Block& b = impl_->block_for(use);
     impl_->access(b, use, now, out);
-    if (use.host && !b.host) {
-      b.host = true;
-      impl_->host_blocks.insert(use.key);
-      pending_host_.store(static_cast<int>(impl_->host_blocks.size()));
+    if (use.host) {
+      if (!b.host) {
+        b.host = true;
+        impl_->host_blocks.insert(use.key);
+        pending_host_.store(static_cast<int>(impl_->host_blocks.size()));
+      }
+      impl_->guard(use.key, b);
     }
   }
 }
@@ -411,9 +441,38 @@ void Detector::host(const Use* uses, size_t n, int site, const char* op, std::ve
   for (size_t k = 0; k < n; ++k) {
     auto it = impl_->blocks.find(uses[k].key);
     if (it != impl_->blocks.end() && it->second.host && it->second.owner == uses[k].owner) {
+      const size_t before = out.size();
       impl_->access(it->second, uses[k], now, out);
+      if (out.size() > before) {
+        impl_->release(uses[k].key);  // reported: the access goes on without a fault
+      }
     }
   }
+}
+
+void Detector::host_fault(const void* base, bool write, const std::string& traceback,
+                          std::vector<Race>& out) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  auto it = impl_->blocks.find(base);
+  if (it == impl_->blocks.end() || !it->second.host) {
+    return;
+  }
+  Block& b = it->second;
+  const Use use{base, b.owner, nullptr, write, true};
+  const Access now{kHost, 0, -1, write ? "a write outside torch's operators"
+                                       : "a read outside torch's operators", ++impl_->tick};
+  const size_t before = out.size();
+  impl_->access(b, use, now, out);
+  for (size_t k = before; k < out.size(); ++k) {
+    out[k].now_trace = traceback;
+    out[k].tensor = "of pinned host memory";
+  }
+}
+
+void Detector::guard_host_memory(void (*protect)(const void*, bool), void (*unprotect)(const void*)) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->protect = protect;
+  impl_->unprotect = unprotect;
 }
 
 void Detector::host_waited(const c10::Stream& s, int site) {

@@ -72,6 +72,7 @@ struct Race {
   int now_site = -1, before_site = -1;
   std::string now_op, before_op;  // "aten::mul", "record", ...
   std::string tensor;  // "(4, 256) float32 on sim:0"
+  std::string now_trace;  // the Python traceback of a raw host access (a fault), if it was one
   bool pinned = false;  // the memory is pinned host memory
   int freed_site = -1;  // where the memory was freed before its reuse (-1: not a reuse)
   bool reused = false;  // the memory was freed and handed to a new tensor
@@ -113,6 +114,7 @@ class Detector {
   // need not be looked at).
   int pending_host() const { return pending_host_.load(std::memory_order_relaxed); }
   void reset();  // forget every clock and access (a test's fresh start)
+  void forget_reported();  // report each race again (a new test)
 
   // An operator on stream `s` with these uses; races found are appended to `out`.
   void kernel(const c10::Stream& s, const Use* uses, size_t n, int site, const char* op,
@@ -132,6 +134,11 @@ class Detector {
   // One event of an elapsed_time, checked when torch queries it first: whether the host
   // has not seen it complete (a race, appended to `out` the first time at this site).
   bool elapsed_one(void* event, int site, std::vector<Race>& out);
+  // A raw access of the host to a pinned block (a fault of its protected mapping).
+  void host_fault(const void* base, bool write, const std::string& traceback,
+                  std::vector<Race>& out);
+  // Pinned blocks with pending copies get protected while pending (the simulator's).
+  void guard_host_memory(void (*protect)(const void*, bool), void (*unprotect)(const void*));
   // Memory: record_stream, and the simulator's allocator.
   void record_stream(const void* key, const c10::Stream& s);
   void allocated(const void* ptr, size_t size, const c10::Stream& s);

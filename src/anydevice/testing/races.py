@@ -72,6 +72,8 @@ _reports: list[RaceReport] = []
 _uncaught: list[RaceReport] = []  # reported outside expect_races() blocks
 _collecting: list[list[RaceReport]] = []  # expect_races() blocks, innermost last
 _previous_profile: Any = None
+_ignored: list[str] = []  # torch's and anydevice's folders: not the user's frames
+_stdlib: list[str] = []
 
 
 class StreamRaceError(AnydeviceError, RuntimeError):
@@ -150,13 +152,25 @@ def race_mode() -> str:
 def race_reports() -> list[RaceReport]:
     """Every race reported in this process so far, oldest first (inside
     :func:`expect_races` blocks too)."""
+    _flush()
     return list(_reports)
 
 
 def uncaught() -> list[RaceReport]:
     """The races reported outside :func:`expect_races` blocks, oldest first: what fails a
     run (``python -m anydevice.testing``) or a test (the pytest plugin)."""
+    _flush()
     return list(_uncaught)
+
+
+def _flush() -> None:
+    """Report the host's raw accesses to pinned memory seen since the last look (the
+    simulator's protected mappings; the main thread also looks at its next bytecode)."""
+    if _lib is not None:
+        try:
+            _lib.deliver_host_faults()
+        except StreamRaceError:
+            pass  # recorded; raised where it was found when that is the main thread
 
 
 @contextmanager
@@ -190,6 +204,13 @@ def forget() -> None:
     runs of one program in a benchmark. Not while work is queued that matters."""
     if _lib is not None:
         _lib.reset_races()
+
+
+def forget_reported() -> None:
+    """Report each race again from now on, though it was reported before (each race is
+    reported once per pair of lines): a new test's start."""
+    if _lib is not None:
+        _lib.forget_reported()
 
 
 def detect_races(mode: RaceMode = "raise") -> None:
@@ -254,9 +275,9 @@ def start(lib: Any, device_type: str, *, simulated: bool, mode: str) -> None:
 
     import anydevice
 
-    ignored = [_folder(torch.__file__), _folder(anydevice.__file__)]
-    stdlib = sorted({_folder_of(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")})
-    lib.start_races(device_type, simulated, 2, ignored, stdlib, _deliver)
+    _ignored[:] = [_folder(torch.__file__), _folder(anydevice.__file__)]
+    _stdlib[:] = sorted({_folder_of(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")})
+    lib.start_races(device_type, simulated, 2, _ignored, _stdlib, _deliver)
     _lib = lib
     _set_mode(mode)
     lib.watch_thread(True)
@@ -368,14 +389,35 @@ def _stream_expr(s: dict[str, Any]) -> str:
     return f"<stream {s['id']} of {s['device']}>"
 
 
+def _frame_of(traceback: str) -> tuple[str, int | None]:
+    """The user's frame in a traceback the signal handler wrote (most recent first)."""
+    library: tuple[str, int | None] | None = None
+    inner: str | None = None  # the innermost frame, for a thread that runs no user code
+    for file, line, function in re.findall(r'File "(.*)", line (\d+) in (.*)', traceback):
+        path = os.path.realpath(file)
+        text = f"{_short(file)}:{line}" + (f" in {function}()" if function != "<module>" else "")
+        inner = inner or text
+        if file.startswith("<frozen ") or any(path.startswith(p) for p in _ignored):
+            continue
+        if "/site-packages/" in path or "/dist-packages/" in path:
+            library = library or (text, int(line))
+        elif not any(path.startswith(p) for p in _stdlib):
+            return text, int(line)
+    if library is not None:
+        return library
+    if inner is not None:
+        return f"{inner} (a thread that runs none of your code)", None
+    return "? (a thread without Python frames)", None
+
+
 def _report(info: dict[str, Any]) -> RaceReport:
     now, before = info["now"], info["before"]
-    now_site, now_line = _site(now["site"])
+    now_site, now_line = _frame_of(info["trace"]) if info["trace"] else _site(now["site"])
     before_site, before_line = _site(before["site"])
     kind = info["kind"]
     freed = _site(info["freed"])[0] if info["freed"] >= 0 else None
     if now["op"] in ("aten::resolve_conj", "aten::resolve_neg"):
-        now = {**now, "op": "tolist()"}  # the host reads the bytes right after
+        now = {**now, "op": "tolist() or numpy()"}  # they read the bytes right after
     at_now = f"before line {now_line}" if now_line is not None else "before the second access"
     before_expr = _stream_expr(before["stream"])
     if kind == "timing":

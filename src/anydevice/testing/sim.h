@@ -117,9 +117,21 @@ c10::DataPtr allocate(c10::DeviceIndex device, size_t bytes);
 extern thread_local bool t_unpoisoned;
 // The device a pointer into device memory belongs to, or -1.
 c10::DeviceIndex device_of_ptr(const void* ptr);
+// Pinned host memory (pinned.cpp): mapped twice, the host's mapping protected while a
+// copy into or out of it is pending, so that the host's raw accesses fault.
 c10::Allocator* pinned_allocator();
 bool is_pinned_ptr(const void* ptr);
 bool is_pinned(const at::TensorBase& t);
+void* pinned_alias(const void* ptr);  // the workers' address for a host address in a block
+void protect_pinned(const void* base, bool no_reads);
+void unprotect_pinned(const void* base);
+struct HostFault {
+  const void* base;  // the block
+  bool write;
+  std::string traceback;  // the faulting thread's Python frames, most recent first
+};
+void watch_host_faults(void (*on_fault)());  // on_fault: called in the signal handler
+std::vector<HostFault> take_host_faults();
 
 // ---------------------------------------------------------------------------
 // Controls (device.cpp), for the Python module.
