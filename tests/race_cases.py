@@ -462,12 +462,20 @@ def race_line(fn: Callable[..., object]) -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def sim() -> torch.device:
-    """Enables the simulator at its defaults: only in the child process, never on import."""
+    """Enables the simulator at its defaults: only in the child process, never on import.
+
+    With ``ANYDEVICE_RACES_AS_ON_A_GPU=1`` the detector watches it as it watches a real
+    accelerator (``detect_races()``): no word from the allocator about frees (a reuse is
+    seen as a new tensor at an old address), no protected pinned memory."""
     from anydevice.errors import ExtensionError
-    from anydevice.testing import SimulatorError, enable
+    from anydevice.testing import SimulatorError, enable, races, simulator
 
     try:
-        return enable(NAME)
+        if os.environ.get("ANYDEVICE_RACES_AS_ON_A_GPU") != "1":
+            return enable(NAME)
+        dev = enable(NAME, races="off")
+        races.start(simulator.load(), NAME, simulated=False, mode="raise")
+        return dev
     except (ExtensionError, SimulatorError) as e:
         pytest.skip(f"the simulated accelerator is not available here: {e}")
 

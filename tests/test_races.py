@@ -27,10 +27,14 @@ ABSURD = [math.nan, -1, -1.5, 1e300, 2**63, math.inf * -1]
 
 
 @pytest.mark.slow
-def test_every_bug_is_reported_naming_its_line_and_every_twin_runs_clean() -> None:
+@pytest.mark.parametrize("as_on_a_gpu", ["0", "1"], ids=["simulator", "as-on-a-real-gpu"])
+def test_every_bug_is_reported_naming_its_line_and_every_twin_runs_clean(as_on_a_gpu: str) -> None:
+    """On the simulator, and watched as a real accelerator is (detect_races(): reuse seen
+    by address, no protected pinned memory)."""
     _toolchain_or_skip()
     proc = _child(
-        ["-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly"]
+        ["-m", "pytest", str(CASES), "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        ANYDEVICE_RACES_AS_ON_A_GPU=as_on_a_gpu,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -416,7 +416,7 @@ std::array<Arena, kMaxDevices>& arenas() {
 
 bool watched() {
   auto& d = anydevice_races::detector();
-  return d.active() && d.type() == kDev;
+  return d.active() && d.type() == kDev && d.simulated();
 }
 
 void release(void* ctx) {

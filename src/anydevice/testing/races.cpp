@@ -393,6 +393,7 @@ void Detector::start(c10::DeviceType type, bool simulated, Mode mode) {
     impl_->pending = &pending_host_;
   }
   type_ = type;
+  simulated_ = simulated;
   impl_->simulated = simulated;
   set_mode(mode);
 }

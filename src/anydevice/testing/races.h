@@ -110,6 +110,8 @@ class Detector {
   Mode mode() const { return static_cast<Mode>(mode_.load(std::memory_order_relaxed)); }
   bool active() const { return mode() != Mode::off; }
   c10::DeviceType type() const { return type_; }
+  // Whether the simulator's allocator tells it of frees (else reuse is seen by address).
+  bool simulated() const { return simulated_; }
   // Pinned host blocks with accesses the host has not seen complete (0: host operators
   // need not be looked at).
   int pending_host() const { return pending_host_.load(std::memory_order_relaxed); }
@@ -152,6 +154,7 @@ class Detector {
   std::atomic<int> mode_{0};
   std::atomic<int> pending_host_{0};
   c10::DeviceType type_ = c10::DeviceType::CPU;
+  bool simulated_ = false;
   Impl* impl_ = nullptr;
 };
 
