@@ -57,6 +57,20 @@ def _toolchain_or_skip() -> None:
         pytest.skip(f"no C++ compiler to build the simulator: {find_compiler().detail}")
     if not find_ninja().found:
         pytest.skip(f"no ninja to build the simulator: {find_ninja().detail}")
+    _built()
+
+
+def _built() -> None:
+    """Builds the simulator, if its cache lacks it, in a child bounded by TIMEOUT: a child
+    pytest would build it inside its first test, under pytest's default timeout of 120 s,
+    which a build on two busy cores can exceed (115 s seen at load 7)."""
+    from anydevice.extension import is_built
+    from anydevice.testing import simulator as sim
+
+    if is_built(sim._EXTENSION, sim.SOURCES, extra_cflags=sim._CFLAGS, depends=sim.DEPENDS):
+        return
+    proc = _child(["-c", "from anydevice.testing import simulator; simulator.load()"])
+    assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.slow
