@@ -700,3 +700,15 @@ def test_losses_match_the_cpu_without_warnings() -> None:
             warnings.simplefilter("error")  # torch warned of resizing an output before
             on = loss(a.to(dev()), b.to(dev()))
         assert on.device == dev() and torch.allclose(on.cpu(), loss(a, b))
+
+
+def test_busy_refuses_a_device_the_simulator_does_not_have() -> None:
+    import math
+
+    from anydevice import testing
+    from anydevice.errors import DeviceSpecError
+
+    for bad in (math.nan, -1, 1, 2**63, 1e300, "sim:5", "cpu", f"{NAME}:-3"):
+        with pytest.raises(DeviceSpecError, match="device="):
+            testing.busy(0.0, device=bad)
+    testing.busy(0.0, device=f"{NAME}:0")  # the one it has

@@ -268,6 +268,21 @@ def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
     assert "sim:0" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
+def test_the_measure_example_runs_clean_and_finds_the_simulated_memory_limit() -> None:
+    """``ad.timeit``'s events, ``track_memory`` and ``fit_batch_size`` under the race
+    detector, on a 64 MiB device: the search stops where the caching allocator runs out
+    (the script's high end is 2**16, which the host's memory would fit)."""
+    _toolchain_or_skip()
+    script = Path(__file__).resolve().parents[1] / "examples" / "measure.py"
+    proc = _child(["-m", "anydevice.testing", "--capacity", "64MiB", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert "StreamRace" not in proc.stderr, proc.stderr
+    found = re.search(r"largest batch that fits: (\d+)", proc.stdout)
+    assert found is not None and 32 <= int(found.group(1)) < 2**16, proc.stdout
+    assert "sim:0" in proc.stdout, proc.stdout
+
+
 def test_synchronize_right_after_enable_waits_for_busy_work() -> None:
     """In a fresh process, ``busy`` straight after ``enable`` was waited for by nobody:
     torch skips synchronising a device type it has not initialised (``synchronize``
