@@ -4,9 +4,11 @@ Three measurements, each in a child process (the simulator takes torch's private
 slot for its whole process, and ``make bench`` runs every benchmark in one):
 
 - **per operator**: small operators (``x + 1`` on 16 floats, an in-place add, a
-  64x64 ``Linear`` training step) on the simulator with the detector off (``races="off"``:
-  no hook at all) and on, interleaved in one process, against the same operators on the
-  CPU. Target: the detector costs <= 5x per operator (the prototype cost 42x).
+  64x64 ``Linear`` training step) on the simulator with no detector (``races="off"``: no
+  hook at all, measured before it starts), then with the detector on and paused (its hook
+  present, doing nothing), those two interleaved in one process, against the same
+  operators on the CPU. Target: the detector costs <= 5x per operator (the prototype cost
+  42x).
 - **this project's simulator test files** (``tests/sim_cases.py``, ``tests/race_cases.py``),
   run whole with the detector on, and without the cases that need it, off and on.
 - **the detection table**: each bug class of ``tests/race_cases.py`` run N times at three

@@ -222,7 +222,7 @@ def detect_races(mode: RaceMode = "raise") -> None:
     ``torch.accelerator`` are seen (those made with a device's own module, such as
     ``torch.cuda.Stream``, are not: the detector then takes their waits for missing).
     Start it before the streams and events the program makes. It needs the simulator's
-    extension (built from C++ on first use, about a minute, then cached). Calling it
+    extension (built from C++ on first use, one to two minutes, then cached). Calling it
     again changes the mode.
 
     Args:

@@ -112,7 +112,7 @@ MAX_BUSY = 3600.0
 #: (compiled in torch) just as fast; the simulator's own code is a small part of the time.
 _CFLAGS = ("-O1",)
 #: What the first build takes on two busy cores (measured: benchmarks/bench_races.py).
-_BUILD_SECONDS = "about a minute"
+_BUILD_SECONDS = "one to two minutes"
 _EXTENSION = "anydevice_sim"
 _UNSET = "privateuseone"  # torch's name for the slot before a backend renames it
 
@@ -338,7 +338,7 @@ def enable(
 ) -> torch.device:
     """Add the simulated accelerator to torch in this process, and return its device.
 
-    The first call builds the backend from C++ (about a minute on two busy cores; said
+    The first call builds the backend from C++ (one to two minutes on two busy cores; said
     before and after on logger ``anydevice`` at WARNING; cached by content, so later
     calls and processes load it in a fraction of a second). Calling again with the same
     name changes the settings.
