@@ -295,7 +295,9 @@ def test_device_loader_batches_are_ready_when_yielded(slow_link: None) -> None:
 
 def test_device_loader_copies_the_next_batch_while_this_one_computes() -> None:
     """An ordering fact on the simulator's clock: the copy of batch k+1 starts before the
-    compute of batch k ends (the loader overlaps them); no wall-clock threshold."""
+    compute of batch k ends (the loader overlaps them); no wall-clock threshold. The
+    compute is long (0.2 s) next to the copy (20 ms), so a host that a loaded machine
+    holds up for a while between two launches still issues the next copy in time."""
     import anydevice as ad
     from anydevice import testing
 
@@ -304,7 +306,7 @@ def test_device_loader_copies_the_next_batch_while_this_one_computes() -> None:
         batches = [torch.full((N,), float(i)) for i in range(5)]
         with testing.trace() as spans:
             for x in ad.DeviceLoader(batches, NAME):
-                testing.busy(0.02)  # 20 ms of compute on the consumer's stream
+                testing.busy(0.2)  # 0.2 s of compute on the consumer's stream
                 _ = x * 1
             torch.accelerator.synchronize()
     finally:
