@@ -68,6 +68,7 @@ __all__ = [
     "Span",
     "bandwidth",
     "busy",
+    "detect_races",
     "enable",
     "enabled",
     "parse_bandwidth",
@@ -427,6 +428,47 @@ def enable(
     else:
         start_races(lib, name, simulated=True, mode=races)
     return torch.device(name, 0)
+
+
+def detect_races(mode: RaceMode = "raise") -> None:
+    """Watch torch's current accelerator for stream races in this process, from now on.
+
+    On the simulated accelerator it is on already (``enable(races=...)``); on a real one
+    (CUDA, XPU, a privateuse1 backend) this turns it on, through torch's device-generic
+    API: streams, events and waits made with ``torch.Stream``, ``torch.Event`` and
+    ``torch.accelerator`` are seen (those made with a device's own module, such as
+    ``torch.cuda.Stream``, are not: the detector then takes their waits for missing).
+    Start it before the streams and events the program makes. It needs the simulator's
+    extension (built from C++ on first use, one to two minutes, then cached). Calling it
+    again changes the mode.
+
+    Args:
+        mode: ``"raise"``: :class:`StreamRaceError` at the second access of a race;
+            ``"warn"``: a :class:`StreamRaceWarning`, and the program goes on; ``"off"``.
+
+    Raises:
+        DeviceSpecError: ``mode`` is not one of them.
+        AnydeviceError: torch has no accelerator here.
+        ExtensionError: the extension cannot be built (no compiler or ninja).
+    """
+    check_mode(mode)
+    import torch
+
+    from anydevice.testing import races
+
+    if races._lib is not None:
+        races._set_mode(mode)
+        return
+    if mode == "off":
+        return
+    current = torch.accelerator.current_accelerator()
+    if current is None:
+        raise AnydeviceError(
+            "detect_races(): torch has no accelerator in this process, so there are no "
+            "streams to race; on a machine without one, run on the simulator "
+            "(anydevice.testing.enable(), where the detector is on by default)"
+        )
+    start_races(load(), current.type, simulated=current.type == enabled(), mode=mode)
 
 
 def _library() -> Any:
