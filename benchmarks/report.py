@@ -57,6 +57,7 @@ def machine() -> dict[str, Any]:
         "driver": inv.host.driver,
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
+        "load": round(os.getloadavg()[0], 1),  #: the 1-minute load average when saved
     }
 
 

@@ -28,6 +28,7 @@ from anydevice.extension import (
     find_ninja,
     find_nvcc,
     first_errors,
+    is_built,
     nvcc_unfit,
 )
 
@@ -246,6 +247,30 @@ def test_sources_defining_a_python_module_return_the_module(tmp_path: Path):
     module = ad.load_extension("ad_pymod", [src], build_dir=tmp_path)
     assert isinstance(module, ModuleType)
     assert module.answer() == 42
+
+
+def test_sources_may_include_others_named_in_depends(tmp_path: Path):
+    """A source that includes others (a unity build): they count in the key, and the
+    module they define is returned."""
+    part = tmp_path / "part.cpp"
+    module_source = textwrap.dedent("""
+        #include <Python.h>
+        #define CAT_(a, b) a##b
+        #define CAT(a, b) CAT_(a, b)
+        static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(ANSWER); }
+        static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+        static PyModuleDef def = {PyModuleDef_HEAD_INIT, "ad_parts", NULL, -1, methods};
+        PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)(void) { return PyModule_Create(&def); }
+        """)
+    part.write_text("#define ANSWER 7\n" + module_source)
+    whole = tmp_path / "whole.cpp"
+    whole.write_text('#include "part.cpp"\n')
+    assert not is_built("ad_parts", [whole], depends=[part], build_dir=tmp_path)
+    module = ad.load_extension("ad_parts", [whole], depends=[part], build_dir=tmp_path)
+    assert isinstance(module, ModuleType) and module.answer() == 7
+    assert is_built("ad_parts", [whole], depends=[part], build_dir=tmp_path)
+    part.write_text("#define ANSWER 8\n" + module_source)
+    assert not is_built("ad_parts", [whole], depends=[part], build_dir=tmp_path)
 
 
 def test_missing_source_is_named(tmp_path: Path):

@@ -53,6 +53,7 @@ __all__ = [
     "find_ninja",
     "find_nvcc",
     "first_errors",
+    "is_built",
     "load_extension",
     "nvcc_unfit",
 ]
@@ -443,12 +444,40 @@ def _is_python_module(sources: Sequence[Path]) -> bool:
     )
 
 
+def is_built(
+    name: str,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    extra_cflags: Sequence[str] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
+    build_dir: str | os.PathLike[str] | None = None,
+) -> bool:
+    """Whether :func:`load_extension` with these C++ sources and flags would load a
+    library built before, here or by another process (it then compiles nothing). Asks
+    nothing of the compiler beyond what ``load_extension`` does; False where it would
+    raise (a source missing, no compiler) and for CUDA sources.
+
+    >>> is_built("no_such_extension", ["/nonexistent/op.cpp"])
+    False
+    """
+    paths = [Path(s).absolute() for s in ([sources] if isinstance(sources, str) else sources)]
+    if not paths or any(p.suffix in CUDA_SUFFIXES or not p.is_file() for p in paths):
+        return False
+    compiler = find_compiler()
+    if compiler.path is None:
+        return False
+    key = _key([*paths, *(Path(d).absolute() for d in depends)], extra_cflags, None, compiler)
+    folder = Path(build_dir if build_dir is not None else cache_root()) / f"{name}-{key}"
+    return (folder / f"{name}.so").is_file()
+
+
 def load_extension(
     name: str,
     sources: Sequence[str | os.PathLike[str]],
     *,
     extra_cflags: Sequence[str] = (),
     extra_cuda_cflags: Sequence[str] = (),
+    depends: Sequence[str | os.PathLike[str]] = (),
     build_dir: str | os.PathLike[str] | None = None,
     verbose: bool = False,
 ) -> ModuleType | str:
@@ -478,6 +507,9 @@ def load_extension(
             folder: ``Path(__file__).parent / "op.cpp"`` is safer).
         extra_cflags: flags for the C++ compiler (``["-O3"]``).
         extra_cuda_cflags: flags for nvcc (``["-O3", "--use_fast_math"]``).
+        depends: files the sources include (headers, or sources compiled together in one
+            file): their contents count in the build folder's name, as the sources' do,
+            and a ``PYBIND11_MODULE`` in them makes the result a Python module.
         build_dir: the folder build folders go under (default: the user's cache).
         verbose: print the build's commands and output as it runs.
 
@@ -541,7 +573,7 @@ def load_extension(
             "it from PyPI: `pip install ninja` (or `pip install 'anydevice[kernels]'`)."
         )
 
-    key = _key(kept, extra_cflags, cuda_flags, compiler)
+    key = _key([*kept, *(Path(d).absolute() for d in depends)], extra_cflags, cuda_flags, compiler)
     folder = Path(build_dir if build_dir is not None else cache_root()) / f"{name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     if verbose:
@@ -560,7 +592,7 @@ def load_extension(
                 build_directory=str(folder),
                 verbose=verbose,
                 with_cuda=cuda_flags is not None,
-                is_python_module=_is_python_module(kept),
+                is_python_module=_is_python_module([*kept, *map(Path, depends)]),
             )
     except RuntimeError as e:
         text = str(e)

@@ -10,8 +10,16 @@ behaves like a GPU where those bugs hide:
 - every stream is a queue run by a worker thread; non-blocking copies from pinned memory
   return at once and land later; kernels wait for their stream, and for nothing else;
 - copies cross a link with a speed (``bandwidth``), so overlap is a number;
-- events record, wait and time on the workers' clock; pinned memory, allocator counters
-  and a capacity that raises torch's out-of-memory error work through torch's API.
+- every stream is a queue run by a worker thread; kernels run there, asynchronously, so
+  the host runs ahead; non-blocking copies from pinned memory return at once and land
+  later; a kernel waits for its stream, and for nothing else;
+- copies cross a link with a speed (``bandwidth``), so overlap is a number;
+- a caching allocator with CUDA's stream rules (``record_stream``, reserved and
+  allocated memory, ``empty_cache``), events that record, wait and time on the workers'
+  clock, pinned memory, and a capacity that raises torch's out-of-memory error;
+- a stream race detector, on by default: two accesses to a tensor's memory that nothing
+  orders raise :class:`StreamRaceError` at the second, naming both lines and the fix,
+  whatever the timing (:func:`detect_races` turns it on for a real accelerator too).
 
 It is torch's ``privateuse1`` backend, built from C++ on first use (cached by content),
 selected like any accelerator (``ad.device("sim")``, ``ANYDEVICE_DEVICE=sim``).
@@ -19,19 +27,30 @@ selected like any accelerator (``ad.device("sim")``, ``ANYDEVICE_DEVICE=sim``).
 Modules:
 
 - ``simulator``: :func:`enable`, :func:`busy` and the settings; builds and loads the
-  backend (``sim.cpp``, shipped beside it).
+  backend (the C++ sources shipped beside it).
+- ``races``: the stream race detector's reports and modes (:func:`detect_races`,
+  :func:`expect_races`, :class:`RaceReport`).
 - ``pytest_plugin``: the ``sim_device`` fixture (``pytest_plugins =
-  ["anydevice.testing.pytest_plugin"]``).
+  ["anydevice.testing.pytest_plugin"]``); a test with a stream race fails.
 """
 
 from __future__ import annotations
 
+from anydevice.testing.races import (
+    RaceReport,
+    StreamRaceError,
+    StreamRaceWarning,
+    expect_races,
+    race_mode,
+    race_reports,
+)
 from anydevice.testing.simulator import (
     MIN_TORCH,
     SimulatorError,
     Span,
     bandwidth,
     busy,
+    detect_races,
     enable,
     enabled,
     parse_bandwidth,
@@ -42,13 +61,20 @@ from anydevice.testing.simulator import (
 
 __all__ = [
     "MIN_TORCH",
+    "RaceReport",
     "SimulatorError",
     "Span",
+    "StreamRaceError",
+    "StreamRaceWarning",
     "bandwidth",
     "busy",
+    "detect_races",
     "enable",
     "enabled",
+    "expect_races",
     "parse_bandwidth",
+    "race_mode",
+    "race_reports",
     "set_bandwidth",
     "set_capacity",
     "trace",

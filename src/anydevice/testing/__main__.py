@@ -1,10 +1,15 @@
 """Run a script on the simulated accelerator: ``python -m anydevice.testing script.py [args]``.
 
 The simulator is enabled in this process (``--name``, ``--bandwidth``, ``--capacity``,
-``--devices`` are :func:`anydevice.testing.enable`'s), ``ANYDEVICE_DEVICE`` is set to its
-name unless already set, so ``ad.device()`` picks it, and the script runs as ``__main__``
-with the arguments after it. Processes the script starts do not have the simulator (torch
-registers a backend per process).
+``--devices``, ``--races`` are :func:`anydevice.testing.enable`'s), ``ANYDEVICE_DEVICE``
+is set to its name unless already set, so ``ad.device()`` picks it, and the script runs
+as ``__main__`` with the arguments after it. Processes the script starts do not have the
+simulator (torch registers a backend per process).
+
+A stream race fails the run: with ``--races raise`` (the default) it raises
+:class:`~anydevice.testing.StreamRaceError` at the racing line, and a race the script
+caught still makes the run exit with status 1, with its report; ``--races warn`` reports
+each race as a warning and leaves the exit status to the script.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import runpy
 import sys
 
+from anydevice.testing.races import MODES, race_mode, uncaught
 from anydevice.testing.simulator import enable
 
 
@@ -26,13 +32,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth", default="2GB/s", help="the link's speed (2GB/s)")
     parser.add_argument("--capacity", default=None, help="memory per device (default: host's)")
     parser.add_argument("--devices", type=int, default=1, help="how many devices (1)")
+    parser.add_argument(
+        "--races",
+        choices=MODES,
+        default="raise",
+        help="a stream race raises at the racing line and fails the run (raise, the "
+        "default), is a warning (warn), or is not looked for (off)",
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ns = parser.parse_args(argv)
-    enable(ns.name, bandwidth=ns.bandwidth, capacity=ns.capacity, devices=ns.devices)
+    enable(
+        ns.name, bandwidth=ns.bandwidth, capacity=ns.capacity, devices=ns.devices, races=ns.races
+    )
     os.environ.setdefault("ANYDEVICE_DEVICE", ns.name)
     sys.argv = [ns.script, *ns.args]
-    runpy.run_path(ns.script, run_name="__main__")
+    code: str | int | None = 0
+    try:
+        runpy.run_path(ns.script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    caught = uncaught()
+    if caught and race_mode() == "raise" and code in (0, None):
+        print(
+            f"anydevice.testing: {len(caught)} stream race(s) found; the first:\n{caught[0]}",
+            file=sys.stderr,
+        )
+        code = 1
+    sys.exit(code)
 
 
 if __name__ == "__main__":

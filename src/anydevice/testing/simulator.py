@@ -1,34 +1,44 @@
 """The simulated accelerator: build, register, configure.
 
-:func:`enable` builds ``sim.cpp`` with :func:`anydevice.load_extension` (once per
-source, compiler and torch: later calls, in any process, load the cached library), then
-registers it as torch's ``privateuse1`` backend under the name given, with a device module
-(``torch.<name>``) and the tensor methods torch generates for such backends
-(``tensor.sim()``, ``tensor.is_sim``).
+:func:`enable` builds the C++ sources beside this file (``device.cpp``, ``memory.cpp``,
+``kernels.cpp``, ``races.cpp``, ``watch.cpp``, ``module.cpp``, in two files built in
+parallel: ``sim_operators.cpp`` and ``sim_runtime.cpp``) with
+:func:`anydevice.load_extension` (once per source, compiler and torch: later calls, in
+any process, load the cached library), then registers it as torch's ``privateuse1``
+backend under the name given, with a device module (``torch.<name>``) and the tensor
+methods torch generates for such backends (``tensor.sim()``, ``tensor.is_sim``), and
+starts the stream race detector (:mod:`anydevice.testing.races`) on it.
 
-What it models, and why each rule holds (the C++ source says the same beside the code):
+What it models, and why each rule holds (the C++ sources say the same beside the code):
 
-- **Memory.** Allocations come from the simulator's allocator, filled with 0xFF bytes:
-  NaN for every IEEE float type (float16, bfloat16, float32, float64, complex), -1 for
-  signed integers, the maximum for unsigned ones; bool tensors start ``True``. A read
-  that comes before the write shows.
-- **Streams.** Each stream is a queue run in order by a worker thread. A copy from pinned
-  host memory with ``non_blocking=True`` (and a device-to-host copy into pinned memory,
-  and any device-to-device copy) is queued and returns at once; any other copy waits for
-  its own completion, as CUDA's do (pageable memory goes through a staging buffer).
-- **Kernels** are torch's CPU kernels, run by the host on device memory. Before one runs,
-  the host waits for the current stream of each device it touches: a kernel comes after
-  everything queued on its stream, and after nothing on other streams, which is what a
-  GPU guarantees and all it guarantees.
+- **Memory.** A caching allocator with CUDA's rules: blocks rounded to 512 bytes, cut
+  from 2 MiB or 20 MiB segments, cached after a free (reserved memory exceeds allocated
+  memory), reused at once by the stream that allocated them and by another stream only
+  after the work ``record_stream`` recorded is done. Every allocation is filled with 0xFF
+  bytes on its stream: NaN for every IEEE float type, -1 for signed integers, the maximum
+  for unsigned ones; bool tensors start ``True``. A read that comes before the write shows.
+- **Streams.** Each stream is a queue run in order by a worker thread.
+- **Kernels** are torch's CPU kernels, run asynchronously by the stream's worker on the
+  device memory: the host returns at once (the meta kernel gives the outputs' shapes), so
+  it runs ahead of the device, and a kernel on a stream that did not wait reads whatever
+  is there when it runs. The host waits where a GPU's does: ``.item()``, ``nonzero``,
+  boolean indexing, a blocking copy. Random operators run on the host after their stream,
+  so they draw from the CPU's generator in program order.
+- **Copies.** From pinned host memory with ``non_blocking=True``, into pinned memory with
+  ``non_blocking=True``, and between devices: queued, the host goes on. From pageable
+  memory with ``non_blocking=True``: the host waits for the stream, stages the bytes and
+  goes on (as CUDA's driver does); any other copy waits for its own completion.
 - **The link.** Host-device copies take ``bytes / bandwidth`` (one link per direction
   and device, shared by the streams that copy that way, like a GPU's copy engines); the
   bytes land at the end of that time.
 - **Events** are reached when their stream's worker gets to them and take the worker's
   clock then; ``wait_event`` / ``wait_stream`` queue a wait on the worker.
+- **Failures.** A kernel that fails on the worker (an index out of range) is reported at
+  the host's next wait for its stream or next launch on it, as a GPU reports a failed
+  kernel at a later call.
 
-What it does not model: kernels do not run concurrently with each other (compute is
-ordered on the host), there are no Tensor Cores or reduced-precision matmul modes, no
-NCCL, and the allocator does not cache (a freed block is never handed to another stream).
+What it does not model: Tensor Cores or reduced-precision matmul modes, collectives,
+CUDA graphs, ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -43,16 +53,22 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.errors import AnydeviceError, DeviceSpecError
+from anydevice.testing.races import RaceMode, check_mode, start as start_races
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MAX_BANDWIDTH",
+    "MAX_BUSY",
+    "MAX_CAPACITY",
+    "MIN_BANDWIDTH",
     "MIN_TORCH",
     "SimulatorError",
     "Span",
     "bandwidth",
     "busy",
+    "detect_races",
     "enable",
     "enabled",
     "parse_bandwidth",
@@ -66,7 +82,38 @@ logger = logging.getLogger("anydevice")
 #: The oldest torch the simulator is built and tested against. It needs
 #: ``c10::DeviceAllocator`` with ``getMemoryInfo`` and ``torch.accelerator.memory``.
 MIN_TORCH = (2, 13)
-SOURCE = Path(__file__).with_name("sim.cpp")
+#: The simulator's C++ sources, shipped beside this file: two files that include the
+#: others, so the heavy headers are read twice and the two build in parallel.
+SOURCES = (
+    Path(__file__).with_name("sim_operators.cpp"),
+    Path(__file__).with_name("sim_runtime.cpp"),
+)
+#: What they include: part of the build cache's key.
+DEPENDS = tuple(
+    Path(__file__).with_name(name)
+    for name in (
+        "kernels.cpp",
+        "watch.cpp",
+        "device.cpp",
+        "memory.cpp",
+        "races.cpp",
+        "module.cpp",
+        "sim.h",
+        "races.h",
+    )
+)
+#: The range of a link's speed, bytes per second (beyond it, pass None: no delay).
+MIN_BANDWIDTH = 1e3
+MAX_BANDWIDTH = 1e15
+#: The most device memory a simulated device may have, in bytes (1 EiB).
+MAX_CAPACITY = 2**60
+#: The longest ``busy()`` call, in seconds.
+MAX_BUSY = 3600.0
+#: The compiler's optimisation flags: -O1 builds faster than -O2 and runs torch's kernels
+#: (compiled in torch) just as fast; the simulator's own code is a small part of the time.
+_CFLAGS = ("-O1",)
+#: What the first build takes on two busy cores (measured: benchmarks/bench_races.py).
+_BUILD_SECONDS = "one to two minutes"
 _EXTENSION = "anydevice_sim"
 _UNSET = "privateuseone"  # torch's name for the slot before a backend renames it
 
@@ -112,14 +159,18 @@ def parse_bandwidth(value: float | str | None) -> float:
             ) from None
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DeviceSpecError(
-            f"bandwidth must be text such as '2GB/s', a number or None, not "
-            f"{type(value).__name__} ({value!r})"
+            f"bandwidth={value!r} must be text such as '2GB/s', a number or None, not "
+            f"{type(value).__name__}"
         )
     else:
         per_second = float(value)
-    if not per_second > 0:
+    if math.isinf(per_second) and per_second > 0:
+        return math.inf
+    if not MIN_BANDWIDTH <= per_second <= MAX_BANDWIDTH:
         raise DeviceSpecError(
-            f"bandwidth={value!r} must be positive; use None for a link without delay"
+            f"bandwidth={value!r} is out of range: a link's speed is {MIN_BANDWIDTH:g} to "
+            f"{MAX_BANDWIDTH:g} bytes per second (e.g. '2GB/s'); use None for a link "
+            "without delay"
         )
     return per_second
 
@@ -136,8 +187,11 @@ def _capacity_bytes(capacity: int | str | None) -> int:
             f"capacity={capacity!r}: {e}; write e.g. '1GiB', a number of bytes, or None for "
             "the host's memory"
         ) from None
-    if size <= 0:
-        raise DeviceSpecError(f"capacity={capacity!r} must be positive, or None")
+    if not 0 < size <= MAX_CAPACITY:
+        raise DeviceSpecError(
+            f"capacity={capacity!r} is out of range: a device's memory is 1 byte to "
+            f"{MAX_CAPACITY} bytes (1 EiB), e.g. '16GiB'; or None for the host's memory"
+        )
     return size
 
 
@@ -174,25 +228,36 @@ def _check_slot(name: str) -> None:
     )
 
 
-def _built_library(started: float) -> bool:
-    """Whether a build of the simulator finished after ``started`` (so this call built)."""
-    from anydevice.extension import cache_root
-
-    return any(p.stat().st_mtime >= started for p in cache_root().glob(f"{_EXTENSION}-*/*.so"))
-
-
-def _load() -> Any:
+def load() -> Any:
+    """The simulator's extension module: built on first use (said before, with the time
+    it takes, and after, at WARNING, which Python shows by default), then loaded from the
+    build cache. Loading it registers nothing with torch."""
     global _lib
     if _lib is None:
-        from anydevice.extension import load_extension
+        from anydevice.extension import is_built, load_extension
 
-        started = time.time()
+        building = not is_built(_EXTENSION, SOURCES, extra_cflags=_CFLAGS, depends=DEPENDS)
+        if building:
+            logger.warning(
+                "anydevice.testing: building the simulated accelerator from C++, once for this "
+                "torch and compiler (%s on two busy cores; cached in %s)",
+                _BUILD_SECONDS,
+                _cache(),
+            )
         t0 = time.perf_counter()
-        _lib = load_extension(_EXTENSION, [SOURCE], extra_cflags=["-O2"])
+        _lib = load_extension(_EXTENSION, SOURCES, extra_cflags=_CFLAGS, depends=DEPENDS)
         seconds = time.perf_counter() - t0
-        how = "built" if _built_library(started) else "loaded from the build cache"
-        logger.info("anydevice.testing: the simulated accelerator %s in %.1f s", how, seconds)
+        if building:
+            logger.warning("anydevice.testing: built the simulated accelerator in %.0f s", seconds)
+        else:
+            logger.info("anydevice.testing: loaded the simulated accelerator in %.2f s", seconds)
     return _lib
+
+
+def _cache() -> str:
+    from anydevice.extension import cache_root
+
+    return str(cache_root())
 
 
 def _device_module(name: str, lib: Any) -> ModuleType:
@@ -270,12 +335,21 @@ def enable(
     bandwidth: float | str | None = "2GB/s",
     capacity: int | str | None = None,
     devices: int = 1,
+    races: RaceMode = "raise",
 ) -> torch.device:
     """Add the simulated accelerator to torch in this process, and return its device.
 
-    The first call builds the backend from C++ (about a minute; cached by content, so
-    later calls and processes load it in a fraction of a second; the time is logged at
-    INFO on logger ``anydevice``). Calling again with the same name changes the settings.
+    The first call builds the backend from C++ (one to two minutes on two busy cores; said
+    before and after on logger ``anydevice`` at WARNING; cached by content, so later
+    calls and processes load it in a fraction of a second). Calling again with the same
+    name changes the settings.
+
+    The stream race detector (:mod:`anydevice.testing.races`) watches it from the start:
+    two accesses to a tensor's memory that nothing orders (a missing ``wait_stream``, a
+    non-blocking copy read before a synchronisation, a tensor freed without
+    ``record_stream`` while another stream reads it, ``elapsed_time`` before the event is
+    known complete) raise :class:`~anydevice.testing.StreamRaceError` at the second one,
+    naming both lines of the user's code and the fix.
 
     Args:
         name: the device type (``torch.device(name)``; ``ad.device(name)``); a lowercase
@@ -285,6 +359,9 @@ def enable(
         capacity: the memory of each device (``"1GiB"``, bytes, or None for the host's
             memory); an allocation beyond it raises ``torch.OutOfMemoryError``.
         devices: how many devices (1 to 16); fixed once the device is used.
+        races: what a stream race does: ``"raise"`` (:class:`StreamRaceError` at the
+            racing call), ``"warn"`` (a :class:`StreamRaceWarning`, and the program goes
+            on) or ``"off"`` (the detector costs nothing then).
 
     Returns:
         ``torch.device(name, 0)``.
@@ -294,7 +371,7 @@ def enable(
             (torch holds one), the simulator is enabled under another name, or torch is
             older than :data:`MIN_TORCH`.
         ExtensionError: no C++ compiler or ninja here, or the build failed.
-        DeviceSpecError: a bad name, bandwidth, capacity or device count.
+        DeviceSpecError: a bad name, bandwidth, capacity, device count or races mode.
     """
     global _name
     import torch
@@ -307,6 +384,7 @@ def enable(
         raise DeviceSpecError(f"devices={devices!r} must be a whole number from 1 to 16")
     per_second = parse_bandwidth(bandwidth)
     limit = _capacity_bytes(capacity)
+    check_mode(races)
     _check_torch()
     _check_slot(name)
     if _name is None:
@@ -318,7 +396,7 @@ def enable(
             raise DeviceSpecError(
                 f"name={name!r} is a device type torch has already; pick another, e.g. 'sim'"
             )
-    lib = _load()
+    lib = load()
     try:
         lib.set_device_count(devices)
     except RuntimeError as e:
@@ -331,7 +409,7 @@ def enable(
             rename_privateuse1_backend,
         )
 
-        lib.register_hooks()
+        lib.register_device()
         rename_privateuse1_backend(name)
         torch._register_device_module(name, _device_module(name, lib))
         generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
@@ -339,6 +417,7 @@ def enable(
         # with busy() before any tensor or stream was made would be waited for by nobody.
         torch.accelerator.current_stream(torch.device(name, 0))
         _name = name
+        start_races(lib, name, simulated=True, mode=races)
         logger.info(
             "anydevice.testing: %r enabled (%d device(s), link %s, capacity %s)",
             name,
@@ -346,7 +425,50 @@ def enable(
             "without delay" if math.isinf(per_second) else f"{per_second / 1e9:g} GB/s",
             "the host's memory" if limit < 0 else f"{limit} bytes",
         )
+    else:
+        start_races(lib, name, simulated=True, mode=races)
     return torch.device(name, 0)
+
+
+def detect_races(mode: RaceMode = "raise") -> None:
+    """Watch torch's current accelerator for stream races in this process, from now on.
+
+    On the simulated accelerator it is on already (``enable(races=...)``); on a real one
+    (CUDA, XPU, a privateuse1 backend) this turns it on, through torch's device-generic
+    API: streams, events and waits made with ``torch.Stream``, ``torch.Event`` and
+    ``torch.accelerator`` are seen (those made with a device's own module, such as
+    ``torch.cuda.Stream``, are not: the detector then takes their waits for missing).
+    Start it before the streams and events the program makes. It needs the simulator's
+    extension (built from C++ on first use, one to two minutes, then cached). Calling it
+    again changes the mode.
+
+    Args:
+        mode: ``"raise"``: :class:`StreamRaceError` at the second access of a race;
+            ``"warn"``: a :class:`StreamRaceWarning`, and the program goes on; ``"off"``.
+
+    Raises:
+        DeviceSpecError: ``mode`` is not one of them.
+        AnydeviceError: torch has no accelerator here.
+        ExtensionError: the extension cannot be built (no compiler or ninja).
+    """
+    check_mode(mode)
+    import torch
+
+    from anydevice.testing import races
+
+    if races._lib is not None:
+        races._set_mode(mode)
+        return
+    if mode == "off":
+        return
+    current = torch.accelerator.current_accelerator()
+    if current is None:
+        raise AnydeviceError(
+            "detect_races(): torch has no accelerator in this process, so there are no "
+            "streams to race; on a machine without one, run on the simulator "
+            "(anydevice.testing.enable(), where the detector is on by default)"
+        )
+    start_races(load(), current.type, simulated=current.type == enabled(), mode=mode)
 
 
 def _library() -> Any:
@@ -372,7 +494,8 @@ def bandwidth() -> float:
 
 def set_capacity(value: int | str | None) -> None:
     """Change each device's memory (``"1GiB"``, bytes, None: the host's memory)."""
-    _library().set_capacity(_capacity_bytes(value))
+    limit = _capacity_bytes(value)
+    _library().set_capacity(limit)
 
 
 def busy(seconds: float, device: Any = None) -> None:
@@ -385,26 +508,47 @@ def busy(seconds: float, device: Any = None) -> None:
         device: the device: an index, ``"sim:1"``, a ``torch.device`` (default, or
             without an index: the current device).
     """
-    if not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
-        raise DeviceSpecError(f"seconds={seconds!r} must be a finite number >= 0")
-    _library().busy(float(seconds), _index(device))
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not 0 <= seconds <= MAX_BUSY
+    ):
+        raise DeviceSpecError(
+            f"seconds={seconds!r} is out of range: busy() takes a number of seconds from 0 to "
+            f"{MAX_BUSY:g}"
+        )
+    lib = _library()
+    lib.busy(float(seconds), _index(device, int(lib.device_count())))
 
 
-def _index(device: Any) -> int:
+def _index(device: Any, count: int) -> int:
     """The device index ``device`` names (-1: the current device)."""
     import torch
 
     if device is None:
         return -1
     if isinstance(device, int) and not isinstance(device, bool):
-        return device
-    try:
-        dev = torch.device(device)
-    except (TypeError, RuntimeError) as e:
+        index = device
+    else:
+        try:
+            dev = torch.device(device)
+        except (TypeError, RuntimeError) as e:
+            raise DeviceSpecError(
+                f"device={device!r} is not a device: pass an index, '{_name}:i' or a torch.device"
+            ) from e
+        if dev.type != _name:
+            raise DeviceSpecError(
+                f"device={device!r} is not the simulated accelerator; pass an index or '{_name}:i'"
+            )
+        if dev.index is None:
+            return -1
+        index = dev.index
+    if not 0 <= index < count:
         raise DeviceSpecError(
-            f"device={device!r} is not a device: pass an index, 'NAME:i' or a torch.device"
-        ) from e
-    return -1 if dev.index is None else dev.index
+            f"device={device!r} is out of range: the simulator has {count} device(s) "
+            f"(indices 0 to {count - 1}); enable(devices=N) sets how many"
+        )
+    return index
 
 
 class Span(NamedTuple):
