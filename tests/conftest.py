@@ -2,9 +2,11 @@
 ``xla`` tests only where torch_xla is installed and has a device.
 
 Under pytest-xdist (``make test`` runs ``-n auto``, one worker per usable core), the tests
-that start worlds of processes run one after another on one worker, beside the in-process
-tests on the others: two worlds never compete for the same cores, so their real timeouts
-keep their meaning on a small machine.
+that start worlds of processes are handed out first, a file's worlds together (its module
+fixtures are shared), then the in-process tests fill the workers as they free up. A worker
+runs one test at a time, so at most one world per core runs at once: every such test holds
+its timeouts on a machine this busy (they are also run with busy loops beside them). One
+lane of worlds, one after another, made the suite as long as all of them together.
 
 The CUDA check reads NVML through anydevice's own inventory, so it neither initialises CUDA
 in the pytest process nor fakes anything: on a machine without a GPU the tests are skipped.
@@ -88,7 +90,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Every test that starts a world, on one worker, one after another; the rest anywhere.
+    """The tests that start worlds first, a file's together (most tests first); then the
+    rest, one at a time, to whichever worker is free.
 
     ``--dist loadgroup`` with ``xdist_group`` marks would say the same, but pytest 9.2 and
     pytest-xdist 3.8 lose the groups (pytest-dev/pytest-xdist#1386). The scheduler sees
@@ -98,13 +101,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     slow = _slow_tests(Path(config.rootpath) / "tests")
 
-    class WorldsApart(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path, _, rest = nodeid.partition("::")
-            name = rest.split("[")[0]
-            return "worlds" if Path(path).name in WORLDS or name in slow else nodeid
+    class WorldsFirst(LoadScopeScheduling):
+        _ordered = False
 
-    return WorldsApart(config, log)
+        def _split_scope(self, nodeid: str) -> str:
+            return world_scope(nodeid, slow) or nodeid
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self._ordered:  # the queue is made once, sorted by size: worlds first
+                units = sorted(self.workqueue.items(), key=lambda u: not u[0].startswith("world "))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+                self._ordered = True
+            super()._assign_work_unit(node)
+
+    return WorldsFirst(config, log)
+
+
+def world_scope(nodeid: str, slow: frozenset[str]) -> str | None:
+    """The scheduling unit of a test that starts a world (``"world <file>"``), or None for
+    one that runs in-process."""
+    path, _, rest = nodeid.partition("::")
+    name = rest.split("[")[0]
+    return f"world {path}" if Path(path).name in WORLDS or name in slow else None
 
 
 def _slow_tests(folder: Path) -> frozenset[str]:

@@ -1,10 +1,11 @@
-"""``tests/conftest.py``: the scheduler keeps every multi-process test on one worker."""
+"""``tests/conftest.py``: the scheduler hands out the multi-process tests first, a file's
+together."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import WORLDS, _slow_tests
+from conftest import WORLDS, _slow_tests, world_scope
 
 TESTS = Path(__file__).resolve().parent
 
@@ -29,3 +30,14 @@ def test_slow_tests_are_found_in_every_folder_of_the_suite():
 def test_every_world_file_is_one_the_suite_has():
     every = {p.name for p in TESTS.rglob("test_*.py")}
     assert every >= WORLDS, WORLDS - every
+
+
+def test_a_files_worlds_are_one_unit_and_in_process_tests_are_not():
+    slow = _slow_tests(TESTS)
+    file = "tests/distributed/test_hangwatch.py"
+    a = f"{file}::test_a_mismatched_collective_stops_the_job_with_both_lines"
+    b = f"{file}::test_two_nodes_stop_a_mismatch_with_one_verdict"
+    assert world_scope(a, slow) == world_scope(b, slow) == f"world {file}"
+    slow_one = "tests/cli/test_cli.py::test_two_nodes_on_this_machine_finish_together"
+    assert world_scope(slow_one, slow) == "world tests/cli/test_cli.py"
+    assert world_scope("tests/test_api.py::test_lazy_names[x]", slow) is None
