@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # .venv is kept (scripts/torch_build.py).
 TORCH  := $(PY) scripts/torch_build.py --constraint constraints.txt
 
-.PHONY: run test test-quick test-infra infra-packages lint typecheck unit bench gpu-check clean
+.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,11 +43,16 @@ run: $(STAMP)-run
 test: lint unit
 
 unit: $(STAMP)-test
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto -m "not long"
+
+## make test-long: the tests marked long, minutes each (the resume soak, whole programs run
+## under the simulator, the race detection table); CI runs it after `make test`.
+test-long: $(STAMP)-test
+	$(PY) -m pytest -n auto -m long
 
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
 test-quick: $(STAMP)-test
-	$(PY) -m pytest -n auto -m "not slow"
+	$(PY) -m pytest -n auto -m "not slow and not long"
 
 ## make test-infra: real infrastructure (tests/infra, not part of `make test`): a notebook in a
 ## Jupyter kernel, two hosts in network namespaces, a SLURM cluster of two nodes. As root it

@@ -33,6 +33,7 @@ def test_the_plan_stops_both_ranks_both_ways_in_later_epochs() -> None:
     assert all(k["step"] > 6 for k in plan)  # epoch 0 has steps 1-6
 
 
+@pytest.mark.long  # minutes: make test-long
 @pytest.mark.timeout(700)  # two launches of up to 300 s each on a busy machine
 def test_a_resumed_run_is_bit_identical_to_one_never_stopped(tmp_path: Path) -> None:
     with process_tree_guard():
