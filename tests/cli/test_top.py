@@ -264,6 +264,21 @@ def victim(tmp_path):
     p.wait(30)
 
 
+def test_keys_are_read_when_a_reading_takes_longer_than_the_interval(tmp_path):
+    """A loaded machine makes a reading outlast --interval: the keys must still be read
+    (they were not: the wait for keys was skipped, and q never quit)."""
+    proc, master = _pty_top("--interval", "1e-9", env={"ANYDEVICE_HEARTBEAT_DIR": str(tmp_path)})
+    try:
+        _read_until(master, b"q quit")
+        os.write(master, b"q")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        os.close(master)
+
+
 @pytest.mark.parametrize("allowed", [False, True])
 def test_signals_need_the_flag_a_key_and_a_yes(victim, tmp_path, allowed):
     env = {"ANYDEVICE_HEARTBEAT_DIR": str(tmp_path)}

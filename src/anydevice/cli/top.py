@@ -251,11 +251,13 @@ def _live(watcher: Any, args: argparse.Namespace, count: int | None, console: An
                 if count is not None and taken >= count:
                     return 0
                 deadline = time.monotonic() + args.interval
-                while (left := deadline - time.monotonic()) > 0:
-                    for key in keys(left):
+                while True:  # keys are read at least once a cycle, also one that overran
+                    for key in keys(max(0.0, deadline - time.monotonic())):
                         if screen.press(key, rows) == "quit":
                             return 0
                         rows = draw(reading)
+                    if time.monotonic() >= deadline:
+                        break
         except KeyboardInterrupt:
             return 0
 
