@@ -94,7 +94,7 @@ def test_public_names_are_never_hidden_by_modules_of_the_same_name():
     code = (
         "import anydevice.hardware.inventory, anydevice.measure.memory\n"
         "import anydevice.numerics.precision\n"
-        "from anydevice.distributed.elastic import plan\n"
+        "from anydevice.launching.elastic import plan\n"
         "import anydevice as ad, types\n"
         "names = ('inventory', 'memory', 'precision', 'distributed')\n"
         "print(all(callable(getattr(ad, n)) and not isinstance(getattr(ad, n), "

@@ -15,7 +15,9 @@ out by concern, each layer importing only from those below it (``docs/design.md`
   :mod:`anydevice.extension` — custom C++/CUDA operators.
 * :mod:`anydevice.feeding` — batches onto the device; :mod:`anydevice.measure` — time,
   work, rates and memory.
-* :mod:`anydevice.distributed` — processes, machines, collectives, training state.
+* :mod:`anydevice.launching` — one process per device, on one machine or many;
+  :mod:`anydevice.checkpoints` — a training run's saved state, on any world size.
+* :mod:`anydevice.training` — inside each rank: the process group, prepare, collectives.
 * :mod:`anydevice.doctor` — the machine examined; :mod:`anydevice.testing` — a simulated
   accelerator for tests.
 * :mod:`anydevice.cli` — the ``anydevice`` command (``anydevice.__main__``).
@@ -38,19 +40,9 @@ from typing import TYPE_CHECKING, Any
 from anydevice._version import __version__
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
-    from anydevice.distributed import (
-        Distributed as Distributed,
-        all_gather as all_gather,
-        all_reduce as all_reduce,
-        broadcast as broadcast,
-        distributed as distributed,
-        gather_for_metrics as gather_for_metrics,
-        launch as launch,
+    from anydevice.checkpoints.state import (
         load_state as load_state,
-        prepare as prepare,
         save_state as save_state,
-        share as share,
-        unwrap as unwrap,
         wait_for_saves as wait_for_saves,
     )
     from anydevice.errors import (
@@ -98,6 +90,9 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         try_gpu as try_gpu,
     )
     from anydevice.hardware.spec import DeviceLike as DeviceLike
+    from anydevice.launching.elastic import (
+        launch as launch,
+    )
     from anydevice.measure.batch_size import (
         fit_batch_size as fit_batch_size,
     )
@@ -154,6 +149,23 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     from anydevice.placement.move import (
         to as to,
     )
+    from anydevice.training.collectives import (
+        all_gather as all_gather,
+        all_reduce as all_reduce,
+        broadcast as broadcast,
+        gather_for_metrics as gather_for_metrics,
+    )
+    from anydevice.training.context import (
+        Distributed as Distributed,
+        distributed as distributed,
+    )
+    from anydevice.training.parallel import (
+        prepare as prepare,
+        unwrap as unwrap,
+    )
+    from anydevice.training.sharing import (
+        share as share,
+    )
 
 
 #: Public name -> the module that defines it, loaded on first use.
@@ -162,19 +174,19 @@ _SOURCES: dict[str, str] = {
     "load": "anydevice.placement.checkpoint",
     "load_extension": "anydevice.extension",
     "save": "anydevice.placement.checkpoint",
-    "Distributed": "anydevice.distributed",
-    "all_gather": "anydevice.distributed",
-    "all_reduce": "anydevice.distributed",
-    "broadcast": "anydevice.distributed",
-    "distributed": "anydevice.distributed",
-    "gather_for_metrics": "anydevice.distributed",
-    "launch": "anydevice.distributed",
-    "load_state": "anydevice.distributed",
-    "prepare": "anydevice.distributed",
-    "save_state": "anydevice.distributed",
-    "wait_for_saves": "anydevice.distributed",
-    "share": "anydevice.distributed",
-    "unwrap": "anydevice.distributed",
+    "Distributed": "anydevice.training.context",
+    "all_gather": "anydevice.training.collectives",
+    "all_reduce": "anydevice.training.collectives",
+    "broadcast": "anydevice.training.collectives",
+    "distributed": "anydevice.training.context",
+    "gather_for_metrics": "anydevice.training.collectives",
+    "launch": "anydevice.launching.elastic",
+    "load_state": "anydevice.checkpoints.state",
+    "prepare": "anydevice.training.parallel",
+    "save_state": "anydevice.checkpoints.state",
+    "wait_for_saves": "anydevice.checkpoints.state",
+    "share": "anydevice.training.sharing",
+    "unwrap": "anydevice.training.parallel",
     "AnydeviceError": "anydevice.errors",
     "ArgumentError": "anydevice.errors",
     "BatchSizeError": "anydevice.errors",
@@ -290,7 +302,7 @@ class _Package(types.ModuleType):
     ``anydevice.distributed`` (which our own code and a launched worker do) makes Python
     record it as an attribute of this package, which would hide the function; here the
     function stays, and the package is reached by a ``from`` import or by its full name
-    (``import anydevice.distributed.state as st``).
+    (``import anydevice.checkpoints.state as st``).
     """
 
     def __setattr__(self, name: str, value: object) -> None:

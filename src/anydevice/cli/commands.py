@@ -470,7 +470,7 @@ def _endpoint(text: str) -> str:
 
 
 #: Variables of a launcher (torchrun, srun, mpirun) that can say where the nodes meet, or
-#: make ``launch`` run the script in place (``anydevice.distributed.environment``).
+#: make ``launch`` run the script in place (``anydevice.launching.environment``).
 _LAUNCHER_VARS = (
     "TORCHELASTIC_RUN_ID",
     "RANK",
@@ -576,8 +576,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not args.verbose:
         quiet_lookup_warnings()
-    from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
+    from anydevice.launching.elastic import launch_script
 
     def stop(signum: int, frame: object) -> None:  # before and after the agent's own
         raise SystemExit(128 + signum)
