@@ -62,6 +62,28 @@ def test_each_concern_is_in_one_layer(graph) -> None:
     assert here - {"__init__"} <= placed, f"put {sorted(here - {'__init__'} - placed)} in LAYERS"
 
 
+def test_no_module_under_the_package_is_named_like_a_public_name() -> None:
+    """Python records an imported submodule as an attribute of its package: a subpackage
+    ``anydevice/distributed/`` would replace ``ad.distributed`` (the function) once
+    imported, so no module or subpackage directly under ``anydevice`` takes a public name
+    (and ``anydevice`` needs no module class of its own to guard them)."""
+    package = ROOT / "src" / "anydevice"
+    here = {p.stem for p in package.glob("*.py")} | {
+        p.parent.name for p in package.glob("*/__init__.py")
+    }
+    tree = ast.parse((package / "__init__.py").read_text())
+    sources = next(
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "_SOURCES"
+    )
+    assert isinstance(sources, ast.Dict)
+    public = {k.value for k in sources.keys if isinstance(k, ast.Constant)}
+    assert len(public) > 50
+    assert here & public == set()
+    assert "ModuleType" not in (package / "__init__.py").read_text()
+
+
 def test_each_subpackage_names_its_modules_in_its_docstring() -> None:
     for init in sorted((ROOT / "src" / "anydevice").rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""

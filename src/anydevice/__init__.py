@@ -33,8 +33,6 @@ checks that the two agree.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from anydevice._version import __version__
@@ -293,22 +291,3 @@ def __dir__() -> list[str]:
     """The public names, loaded or not, and what is already here."""
     return sorted({*globals(), *__all__})
 
-
-class _Package(types.ModuleType):
-    """``anydevice`` itself: a public name is never replaced by a submodule of that name.
-
-    ``ad.distributed`` is a function that shares its name with the package defining it
-    (the subpackages by concern avoid the other public names). Importing
-    ``anydevice.distributed`` (which our own code and a launched worker do) makes Python
-    record it as an attribute of this package, which would hide the function; here the
-    function stays, and the package is reached by a ``from`` import or by its full name
-    (``import anydevice.checkpoints.state as st``).
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _SOURCES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

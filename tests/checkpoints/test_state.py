@@ -26,7 +26,7 @@ def no_process_left_behind():
 
 
 def test_the_state_module_imports_by_its_dotted_name_and_ad_distributed_stays_the_function():
-    # ``ad.distributed`` (the function) shares its name with this subpackage.
+    # ``ad.distributed`` (the function) once shared its name with this module's package.
     code = (
         "import anydevice.checkpoints.state as st\n"
         "import anydevice.launching.agent as ag\n"  # a submodule loaded after the package
