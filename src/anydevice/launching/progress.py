@@ -335,12 +335,10 @@ _lock = threading.Lock()
 def _roots() -> tuple[str, ...]:
     import torch
 
-    import anydevice
-
     paths = sysconfig.get_paths()
     found = [
         os.path.dirname(torch.__file__),
-        os.path.dirname(anydevice.__file__),
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # anydevice's folder
         paths.get("stdlib", ""),
         paths.get("platstdlib", ""),
     ]

@@ -398,10 +398,12 @@ def _library_test() -> Callable[[str], bool]:
     """
     import sysconfig
 
-    import anydevice
-
     paths = sysconfig.get_paths()
-    ours = tuple(os.path.join(os.path.dirname(m.__file__ or ""), "") for m in (torch, anydevice))
+    anydevice_folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = (
+        os.path.join(os.path.dirname(torch.__file__ or ""), ""),
+        os.path.join(anydevice_folder, ""),
+    )
     std = tuple(os.path.join(paths[k], "") for k in ("stdlib", "platstdlib"))
     packages = tuple(os.path.join(paths[k], "") for k in ("purelib", "platlib"))
 
