@@ -1,4 +1,4 @@
-"""Running torch's elastic agent for a :class:`~anydevice.launching.elastic.LaunchPlan`.
+"""Running torch's elastic agent for a :class:`~anydevice.launching.options.LaunchPlan`.
 
 The agent is torchrun's (``LocalElasticAgent`` with the c10d rendezvous); this module
 builds it by hand rather than through ``elastic_launch``, for what that cannot be told:
@@ -45,7 +45,7 @@ from anydevice.launching.hangwatch import HangWatch
 from anydevice.launching.rendezvous import LOOPBACK
 
 if TYPE_CHECKING:
-    from anydevice.launching.elastic import LaunchPlan
+    from anydevice.launching.options import LaunchPlan
 
 __all__ = ["LOOPBACK", "Preempted", "run_agent", "scoped_environ"]
 

@@ -33,7 +33,6 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from anydevice.errors import DeviceNotFoundError, DistributedError
@@ -41,9 +40,9 @@ from anydevice.hardware.inventory import Inventory
 from anydevice.launching import addressing, arguments, environment
 from anydevice.launching.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.launching.environment import World
+from anydevice.launching.options import LaunchPlan
 
 __all__ = [
-    "LaunchPlan",
     "launch",
     "launch_script",
     "plan",
@@ -55,40 +54,6 @@ __all__ = [
 logger = logging.getLogger("anydevice")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Everything the elastic agent needs, worked out from ``launch``'s arguments (pure data)."""
-
-    nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-    rdzv_endpoint: str
-    rdzv_configs: dict[str, Any]
-    run_id: str
-    max_restarts: int
-    start_method: str
-    local_addr: str | None
-    env: dict[str, str] = field(default_factory=dict)  #: set in the launcher for the run
-    grace: float = 30.0  #: seconds the workers get to exit after a signal to the launcher
-    hang_after: float = 30.0  #: seconds in one collective before the hang watch judges; 0: off
-
-    @property
-    def standalone(self) -> bool:
-        """True when this is the only node."""
-        return self.max_nodes == 1
-
-    def describe(self) -> str:
-        nodes = (
-            str(self.min_nodes)
-            if self.min_nodes == self.max_nodes
-            else f"{self.min_nodes}:{self.max_nodes}"
-        )
-        return (
-            f"{self.nproc_per_node} process(es) per node on {nodes} node(s), rendezvous "
-            f"{self.rdzv_endpoint} (run id {self.run_id!r})"
-        )
 
 
 def launch(

@@ -51,7 +51,7 @@ from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.launching import addressing, tenants
 
 if TYPE_CHECKING:
-    from anydevice.launching.elastic import LaunchPlan
+    from anydevice.launching.options import LaunchPlan
 
 __all__ = ["LOOPBACK", "closed", "open_rendezvous", "unreachable", "wait_until_reachable"]
 

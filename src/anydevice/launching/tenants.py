@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from anydevice.errors import DistributedError
 
 if TYPE_CHECKING:
-    from anydevice.launching.elastic import LaunchPlan
+    from anydevice.launching.options import LaunchPlan
 
 __all__ = ["Watch", "alive", "state_of"]
 
