@@ -212,8 +212,8 @@ def distributed(
     """
     if on_preempt is not None:
         joined = distributed(backend, timeout=timeout, device=device, init_method=init_method)
-        with joined as d, preemption.watch(d, on_preempt) as watched:
-            yield watched
+        with joined as d, preemption.watch(on_preempt) as watcher:
+            yield dataclasses.replace(d, preemption=watcher)
         return
     world = environment.detect()
     if dist.is_available() and dist.is_initialized():

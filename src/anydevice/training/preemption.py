@@ -35,7 +35,6 @@ scheduler's ``SIGKILL`` after its grace period, as it would have been without us
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -44,16 +43,13 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from anydevice.errors import DistributedError
 from anydevice.launching import failures
-
-if TYPE_CHECKING:
-    from anydevice.training.context import Distributed
 
 __all__ = ["REQUEUE_SIGNAL", "Preemption", "requeue_command", "requeue_signal", "watch"]
 
@@ -220,8 +216,9 @@ def requeue_signal(environ: Mapping[str, str]) -> signal.Signals:
 
 
 @contextlib.contextmanager
-def watch(d: Distributed, on_preempt: Callable[[], object]) -> Iterator[Distributed]:
-    """Catch the preemption signals for the block; yield ``d`` able to check for them.
+def watch(on_preempt: Callable[[], object]) -> Iterator[Preemption]:
+    """Catch the preemption signals for the block; yield what checks for them (the
+    context's ``d.check_preemption()`` calls its :meth:`Preemption.check`).
 
     ``SIGTERM`` always; ``SIGUSR1`` too under SLURM (``SLURM_JOB_ID`` set), where it is the
     early warning (``SIGUSR2`` instead with ``ANYDEVICE_REQUEUE_SIGNAL=USR2``). In a world
@@ -243,7 +240,7 @@ def watch(d: Distributed, on_preempt: Callable[[], object]) -> Iterator[Distribu
     watcher = Preemption(on_preempt, signals, group)
     watcher.install()
     try:
-        yield dataclasses.replace(d, preemption=watcher)
+        yield watcher
     finally:
         watcher.restore()
         if group is not None and dist.is_initialized():
