@@ -79,6 +79,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         ProcessInfo as ProcessInfo,
     )
     from anydevice.hardware.inventory import Inventory as Inventory, inventory as inventory
+    from anydevice.hardware.peaks import Peak as Peak
     from anydevice.hardware.selection import (
         describe as describe,
         device as device,
@@ -116,7 +117,6 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         Measurement as Measurement,
     )
     from anydevice.measure.throughput import (
-        Peak as Peak,
         Throughput as Throughput,
         ThroughputStats as ThroughputStats,
     )
@@ -239,7 +239,7 @@ _SOURCES: dict[str, str] = {
     "FlopCount": "anydevice.measure.flops",
     "ModuleFlops": "anydevice.measure.flops",
     "flops": "anydevice.measure.flops",
-    "Peak": "anydevice.measure.throughput",
+    "Peak": "anydevice.hardware.peaks",
     "Throughput": "anydevice.measure.throughput",
     "ThroughputStats": "anydevice.measure.throughput",
     "Measurement": "anydevice.measure.samples",
@@ -290,4 +290,3 @@ def _load_device_finders() -> None:
 def __dir__() -> list[str]:
     """The public names, loaded or not, and what is already here."""
     return sorted({*globals(), *__all__})
-
