@@ -52,9 +52,7 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from anydevice.hardware.render import render_inventory
-
-    render_inventory(inv, Console())
+    Console().print(inv)
     return 0
 
 

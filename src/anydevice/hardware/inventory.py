@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from anydevice.hardware.facts import (
     ACCELERATOR_KINDS,
     DeviceInfo,
     HostInfo,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Inventory", "inventory", "inventory_without_torch"]
 
@@ -103,13 +100,24 @@ class Inventory:
 
         from rich.console import Console
 
-        from anydevice.hardware.render import render_inventory
-
         out = io.StringIO()
         width = min(shutil.get_terminal_size((100, 24)).columns, 120)
         console = Console(file=out, width=width, color_system=None, force_jupyter=False)
-        render_inventory(self, console)
+        console.print(self)
         return out.getvalue().rstrip("\n")
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        """The host's panel, each device's, then the notes: how ``console.print(inv)``
+        (rich) and ``anydevice info`` show an inventory."""
+        from rich.text import Text
+
+        from anydevice.hardware.render import device_table, host_panel
+
+        yield host_panel(self.host)
+        for d in self.devices:
+            yield device_table(d)
+        for note in self.notes:
+            yield Text(f"note: {note}", style="yellow")
 
     def _repr_html_(self) -> str:
         """The same tables as HTML, which notebooks show for an inventory."""
