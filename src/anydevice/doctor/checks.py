@@ -202,7 +202,7 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
     every script that asks for ``"auto"``."""
     from anydevice.errors import AnydeviceError
-    from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
+    from anydevice.hardware.choice import device_override, with_override
     from anydevice.hardware.selection import select
     from anydevice.hardware.spec import parse_spec
 
@@ -211,7 +211,7 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     if value is None:
         return Check("device-env", title, "skip", "ANYDEVICE_DEVICE is not set.")
     try:
-        d = select(parse_spec(value, source=DEVICE_VARIABLE), inv, environ=env)
+        d = select(with_override(parse_spec("auto"), env), inv, environ=env)
     except AnydeviceError as e:
         here = ", ".join(d.spec for d in inv.devices)
         return Check(

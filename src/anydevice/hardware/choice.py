@@ -17,8 +17,17 @@ from anydevice.hardware.facts import DeviceInfo, format_bytes
 
 if TYPE_CHECKING:
     from anydevice.hardware.backends.nvml import GpuRecord
+    from anydevice.hardware.spec import Spec
 
-__all__ = ["Choice", "choose_free", "cuda_indices", "free_key", "select_visible"]
+__all__ = [
+    "Choice",
+    "choose_free",
+    "cuda_indices",
+    "device_override",
+    "free_key",
+    "select_visible",
+    "with_override",
+]
 
 
 def free_key(d: DeviceInfo) -> tuple[float, float, int]:
@@ -185,3 +194,24 @@ def device_override(environ: Mapping[str, str] | None = None) -> str | None:
     place it is read."""
     value = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "").strip()
     return value or None
+
+
+def with_override(spec: Spec, environ: Mapping[str, str] | None = None) -> Spec:
+    """``spec``, or for ``"auto"`` the spec ``ANYDEVICE_DEVICE`` gives where it is set: the
+    rule ``ad.device()``, the doctor and ``anydevice launch`` follow (errors in its value
+    name the variable).
+
+    >>> from anydevice.hardware.spec import parse_spec
+    >>> with_override(parse_spec("auto"), {"ANYDEVICE_DEVICE": "cpu"}).kind
+    'cpu'
+    >>> with_override(parse_spec("cuda:1"), {"ANYDEVICE_DEVICE": "cpu"}).text
+    'cuda:1'
+    """
+    if spec.kind != "auto":
+        return spec
+    override = device_override(environ)
+    if override is None:
+        return spec
+    from anydevice.hardware.spec import parse_spec  # imports torch: not at this module's load
+
+    return parse_spec(override, source=DEVICE_VARIABLE)

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
-from anydevice.hardware.choice import DEVICE_VARIABLE, device_override, free_key as _free_key
+from anydevice.hardware.choice import free_key as _free_key, with_override
 from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, format_bytes, parse_size
 from anydevice.hardware.inventory import Inventory, inventory
 from anydevice.hardware.spec import NO_INDEX, DeviceLike, Spec, generic_kinds, parse_spec
@@ -288,12 +288,7 @@ def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> 
 
 
 def _resolve_auto(spec: DeviceLike) -> Spec:
-    parsed = parse_spec(spec)
-    if parsed.kind == "auto":
-        override = device_override()
-        if override:
-            parsed = parse_spec(override, source=DEVICE_VARIABLE)
-    return parsed
+    return with_override(parse_spec(spec))
 
 
 def current_indices() -> dict[str, int]:
