@@ -36,6 +36,7 @@ from anydevice.doctor.results import (
     Measured,
     Measurements,
 )
+from anydevice.doctor.targets import choose_devices, resolve_devices
 from anydevice.doctor.workloads import (
     PLANS,
     Plan,
@@ -98,9 +99,7 @@ def measure(
         raise ValueError(f"plan={plan!r}: use one of {', '.join(PLANS)}.")
     if budget is not None:
         p = dataclasses.replace(p, budget=budget)
-    from anydevice.doctor import resolve_devices
-
-    chosen = resolve_devices(inv, devices) if devices is not None else _choose(inv, p)
+    chosen = resolve_devices(inv, devices) if devices is not None else choose_devices(inv, p)
     return run_plan(inv, chosen, p, progress)
 
 
@@ -227,17 +226,6 @@ def _mark_noisy(run: Run, before: tuple[int, int]) -> None:
     for i in range(before[1], len(run.levers)):
         if run.levers[i].speedup is not None:
             run.levers[i] = dataclasses.replace(run.levers[i], noisy=True)
-
-
-def _choose(inv: Inventory, plan: Plan) -> list[DeviceInfo]:
-    chosen, models = [], set()
-    for d in inv.devices:
-        if d.is_accelerator and not plan.every_gpu:
-            if (d.kind, d.name) in models:
-                continue  # identical to one already measured
-            models.add((d.kind, d.name))
-        chosen.append(d)
-    return chosen
 
 
 def _steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float, Step]]:

@@ -15,8 +15,7 @@ from anydevice.measure.samples import format_time
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from anydevice.doctor import Report
-    from anydevice.doctor.results import DeviceSummary, Measurements
+    from anydevice.doctor.results import DeviceSummary, Measurements, Report
     from anydevice.doctor.workloads import Progress
 
 __all__ = ["measuring", "render_measurements", "render_report"]
