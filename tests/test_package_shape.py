@@ -1,5 +1,6 @@
-"""The package's shape holds: no import circle (function-level imports included), every
-import goes down a layer, and each subpackage's ``__init__`` names every module it holds.
+"""The package's shape holds: no import circle (function-level and type-only imports, and
+imports from a module's own package, included), every import goes down a layer, and each
+subpackage's ``__init__`` names every module it holds.
 
 Read from the syntax tree by ``scripts/import_graph.py``, the tool that reports the same
 numbers to people."""
@@ -29,9 +30,27 @@ def graph():
     return module
 
 
-def test_no_import_circle_even_through_function_level_imports(graph) -> None:
+def test_no_import_circle_even_through_function_level_and_type_only_imports(graph) -> None:
     edges, _ = graph.graph(everything=True)
     assert graph.circles(edges) == []
+
+
+def test_type_only_imports_and_a_modules_own_package_are_counted(graph, tmp_path) -> None:
+    """A name imported for type checkers, or from the module's own package's ``__init__``,
+    ties the modules as much as any import: each is an edge of the graph."""
+    module = tmp_path / "measure.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from anydevice.doctor import resolve_devices\n"
+        "if TYPE_CHECKING:\n"
+        "    from anydevice.doctor.workloads import Plan\n"
+        "def f():\n"
+        "    from anydevice.doctor import budget\n"
+    )
+    known = {"anydevice.doctor", "anydevice.doctor.workloads", "anydevice.doctor.budget"}
+    name = "anydevice.doctor.measure"
+    assert graph.imports(module, name, True, known) == known
+    assert graph.imports(module, name, False, known) == {"anydevice.doctor"}
 
 
 def test_every_import_goes_down_a_layer(graph) -> None:
