@@ -43,12 +43,7 @@ _calls: tuple[Any, dict[str, int]] | None = None
 def group_timeout(group: Any) -> float | None:
     """The collectives' timeout of ``group`` in seconds (the one ``ad.distributed(timeout=)``
     set), or None where the backend does not say."""
-    import torch
-
-    try:
-        timeout = group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # backends without options: torch's default
-        return None
+    timeout = torch_private.collective_timeout(group)
     return float(timeout.total_seconds()) if timeout is not None else None
 
 

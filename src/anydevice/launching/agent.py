@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from anydevice.errors import DistributedError, DistributedTimeoutError
+from anydevice.hardware.backends import torch_private
 from anydevice.launching import addressing, reaper, rendezvous
 from anydevice.launching.failures import preempted, preemption, worker_failed
 from anydevice.launching.hangwatch import HangWatch
@@ -325,10 +326,11 @@ def _agent_type() -> type[Any]:
 
         def records(self) -> dict[int, str]:
             """The error file of each worker (global rank -> path) of the last attempt."""
-            if self._pcontext is None:
+            processes = torch_private.agent_processes(self)
+            if processes is None:
                 return {}
-            ranks = {w.local_rank: w.global_rank for w in self._worker_group.workers}
-            files = self._pcontext.error_files.items()
+            ranks = {w.local_rank: w.global_rank for w in torch_private.agent_workers(self)}
+            files = processes.error_files.items()
             return {ranks.get(local, local): str(path) for local, path in files}
 
         def _rendezvous(self, worker_group: Any) -> None:
@@ -373,18 +375,20 @@ def _agent_type() -> type[Any]:
 
         def _pids(self) -> dict[int, int]:
             """Each worker's pid, by global rank (none before they start)."""
-            workers = self._worker_group.workers
+            workers = torch_private.agent_workers(self)
             return {w.global_rank: w.id for w in workers if isinstance(w.id, int)}
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if self.watch.stopped is not None or self.watch.stopped_by:
-                self._remaining_restarts = 0  # a mismatch comes back on every restart
+                torch_private.stop_restarts(self)  # a mismatch comes back on every restart
             return result
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
             preempting = any(preemption(p) for p in self.records().values())
-            if self._pcontext is None or (self.signalled is None and not preempting):
+            if torch_private.agent_processes(self) is None or (
+                self.signalled is None and not preempting
+            ):
                 super()._shutdown(death_sig, min(timeout, _STOP_GRACE))
                 return
             try:
@@ -400,9 +404,10 @@ def _agent_type() -> type[Any]:
         def _wait_out(self, sig: signal.Signals) -> list[int]:
             """Pass ``sig`` on to the workers and wait up to ``grace`` seconds for them to
             exit; the pids of those still running then."""
-            assert self._pcontext is not None
+            processes = torch_private.agent_processes(self)
+            assert processes is not None
             start = time.monotonic()
-            pids = [p for p in self._pcontext.pids().values() if _running(p)]
+            pids = [p for p in processes.pids().values() if _running(p)]
             for pid in pids:
                 with contextlib.suppress(OSError):
                     os.kill(pid, sig)
@@ -430,6 +435,7 @@ def _agent_type() -> type[Any]:
                 )
             return left
 
+    torch_private.warn_missing_overrides(LocalElasticAgent)
     return GracefulAgent
 
 

@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from anydevice.errors import DistributedError, DistributedTimeoutError
+from anydevice.hardware.backends import torch_private
 from anydevice.launching import addressing, tenants
 
 if TYPE_CHECKING:
@@ -280,6 +281,7 @@ def _handler_type(watch: tenants.Watch) -> type[Any]:
                 return super()._create_tcp_store_server(master_addr, master_port)
             return _served_on(bind, master_port, timedelta(minutes=30))
 
+    torch_private.warn_missing_overrides(DynamicRendezvousHandler)
     return BoundRendezvousHandler
 
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends.torch_private import TorchDispatchMode, overload_packet
 
 __all__ = ["FlopCount", "ModuleFlops", "flops"]
 
@@ -329,7 +329,7 @@ class _Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = getattr(func, "_overloadpacket", None)
+        packet = overload_packet(func)
         formula = self.counter.flop_registry.get(packet)
         if formula is None:
             name = str(getattr(func, "name", lambda: func)())

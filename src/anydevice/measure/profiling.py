@@ -465,9 +465,10 @@ class nvtx_range(contextlib.ContextDecorator):
 
     def __init__(self, name: str) -> None:
         from anydevice.hardware.backends.cuda import cuda_built
+        from anydevice.hardware.backends.torch_private import nvtx_binding
 
         self.name = name
-        self.active = cuda_built() and hasattr(torch._C, "_nvtx")  #: NVTX is in this torch
+        self.active = cuda_built() and nvtx_binding() is not None  #: NVTX is in this torch
 
     def __enter__(self) -> nvtx_range:
         if self.active:

@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from anydevice.errors import ArgumentError, DistributedError, StepOrderError
+from anydevice.hardware.backends import torch_private
 
 __all__ = ["Accumulation", "AccumulationStep", "accumulate", "micro_batch_size"]
 
@@ -445,8 +446,8 @@ def _from_global(loader: object, global_batch: int, world_size: int) -> int:
 def _sync_switches(model: nn.Module) -> list[Any]:
     """Functions ``on -> None`` that switch the model's gradient reduction."""
     inner = model
-    while isinstance(getattr(inner, "_orig_mod", None), nn.Module):  # torch.compile
-        inner = inner._orig_mod  # type: ignore[assignment]
+    while isinstance(compiled := torch_private.compiled_inner(inner), nn.Module):
+        inner = compiled
     if isinstance(inner, DistributedDataParallel):
         ddp = inner
 

@@ -35,7 +35,7 @@ from torch.utils.data import (
 from anydevice.errors import DistributedError
 from anydevice.feeding.loader import DeviceLoader
 from anydevice.hardware import selection
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import runtime, torch_private
 from anydevice.hardware.spec import DeviceLike
 from anydevice.launching import environment
 from anydevice.training import sharding
@@ -210,7 +210,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         if isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
             continue
-        inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        inner = torch_private.compiled_inner(model)  # torch.compile's OptimizedModule
         if isinstance(inner, nn.Module):
             model = inner
             continue
@@ -259,7 +259,7 @@ def distributed_loader(
             "num_replicas and rank, or build the loader with batch_size and shuffle."
         )
     if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:
+        if sampler.replacement or torch_private.random_sampler_size(sampler) is not None:
             raise DistributedError(
                 "The loader's RandomSampler draws with replacement or a fixed num_samples, "
                 "which DistributedSampler cannot reproduce. Build the loader with "
