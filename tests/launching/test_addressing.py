@@ -4,6 +4,7 @@ this machine's real interfaces (the two-host proof is tests/infra/test_two_hosts
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 
@@ -15,6 +16,7 @@ from anydevice.launching import addressing
 from anydevice.launching.addressing import interface_of, node_address, route_source
 from anydevice.launching.elastic import _plan_here, plan
 from anydevice.launching.environment import detect
+from anydevice.launching.options import LaunchOptions
 
 
 def _outward() -> tuple[str, str]:
@@ -74,18 +76,19 @@ def test_several_nodes_beyond_loopback_get_the_routes_address_not_the_hostname(m
     addr, name = _outward()
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
-    chosen = _plan_here(detect({}), 2, 2, 0, f"{addr}:29400", None, 0, "spawn", 30.0)
+    options = LaunchOptions(nprocs=2, nnodes=2, node_rank=0, rdzv_endpoint=f"{addr}:29400")
+    chosen = _plan_here(detect({}), dataclasses.replace(options, timeout=30.0))
     assert chosen.local_addr == addr
     assert chosen.env["GLOO_SOCKET_IFNAME"] == name == chosen.env["NCCL_SOCKET_IFNAME"]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
-    chosen = _plan_here(detect({}), 2, 2, 1, f"{addr}:29400", None, 0, "spawn", 30.0)
+    chosen = _plan_here(detect({}), dataclasses.replace(options, node_rank=1, timeout=30.0))
     assert "GLOO_SOCKET_IFNAME" not in chosen.env
 
 
 def test_one_node_and_loopback_meetings_stay_on_loopback():
     one = addressing.settle(plan(2))
     assert (one.local_addr, one.env) == ("127.0.0.1", plan(2).env)
-    both = plan(2, nnodes=2, rdzv_endpoint="127.0.0.1:29400")
+    both = plan(2, LaunchOptions(nnodes=2, rdzv_endpoint="127.0.0.1:29400"))
     assert addressing.settle(both) == both
 
 
@@ -267,7 +270,9 @@ def test_the_stores_of_several_nodes_listen_on_this_nodes_address_only():
     with socket.socket() as s:
         s.bind((addr, 0))
         port = int(s.getsockname()[1])
-    chosen = addressing.settle(plan(1, nnodes=2, node_rank=0, rdzv_endpoint=f"{addr}:{port}"))
+    chosen = addressing.settle(
+        plan(1, LaunchOptions(nnodes=2, node_rank=0, rdzv_endpoint=f"{addr}:{port}"))
+    )
     assert chosen.local_addr == addr
     with rendezvous.open_rendezvous(chosen, 10) as handler:
         workers = handler._create_tcp_store_server(chosen.local_addr, 0)

@@ -29,6 +29,7 @@ import anydevice as ad
 import workers
 from anydevice.launching import arguments
 from anydevice.launching.elastic import plan, resolve_nprocs, scoped_environ
+from anydevice.launching.options import LaunchOptions
 from machines import gpu, machine
 from ranks import free_port, process_tree_guard
 
@@ -80,17 +81,19 @@ def test_standalone_runs_get_distinct_run_ids():
 
 
 def test_join_timeout_bounds_the_rendezvous():
-    assert plan(1, timeout=7.4, environ={}).rdzv_configs["join_timeout"] == 7
+    assert plan(1, LaunchOptions(timeout=7.4), environ={}).rdzv_configs["join_timeout"] == 7
 
 
 def test_several_nodes_need_an_endpoint():
     with pytest.raises(ad.DistributedError, match="rdzv_endpoint='HOST:PORT'"):
-        plan(1, nnodes=2, environ={})
+        plan(1, LaunchOptions(nnodes=2), environ={})
 
 
 def test_node_rank_zero_hosts_the_store_and_others_do_not():
-    host = plan(1, nnodes=2, node_rank=0, rdzv_endpoint="10.1.2.3:29400", environ={})
-    other = plan(1, nnodes=2, node_rank=1, rdzv_endpoint="10.1.2.3:29400", environ={})
+    host = plan(1, LaunchOptions(nnodes=2, node_rank=0, rdzv_endpoint="10.1.2.3:29400"), environ={})
+    other = plan(
+        1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="10.1.2.3:29400"), environ={}
+    )
     assert host.rdzv_configs["is_host"] is True
     assert other.rdzv_configs["is_host"] is False
     assert host.run_id == other.run_id  # every node must agree without talking
@@ -98,7 +101,10 @@ def test_node_rank_zero_hosts_the_store_and_others_do_not():
 
 
 def test_loopback_endpoint_keeps_every_node_on_loopback():
-    assert plan(1, nnodes=2, rdzv_endpoint="127.0.0.1:5000", environ={}).local_addr == "127.0.0.1"
+    assert (
+        plan(1, LaunchOptions(nnodes=2, rdzv_endpoint="127.0.0.1:5000"), environ={}).local_addr
+        == "127.0.0.1"
+    )
 
 
 @pytest.mark.parametrize(
@@ -110,18 +116,18 @@ def test_loopback_endpoint_keeps_every_node_on_loopback():
     ],
 )
 def test_restarts_and_elastic_ranges_unshare_the_rendezvous_store(kwargs, unshared):
-    p = plan(2, environ={}, **kwargs)
+    p = plan(2, LaunchOptions(**kwargs), environ={})
     assert (p.env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1") is unshared
 
 
 def test_user_setting_of_the_store_variable_is_respected():
-    p = plan(2, max_restarts=2, environ={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    p = plan(2, LaunchOptions(max_restarts=2), environ={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in p.env
 
 
 def test_the_hang_watch_waits_30_s_by_default_and_0_turns_it_off():
     assert plan(2, environ={}).hang_after == 30.0
-    assert plan(2, environ={}, hang_after=0).hang_after == 0.0
+    assert plan(2, LaunchOptions(hang_after=0), environ={}).hang_after == 0.0
 
 
 def test_workers_share_the_cores_unless_omp_threads_is_set():
@@ -149,7 +155,7 @@ def test_workers_share_the_cores_unless_omp_threads_is_set():
 )
 def test_plan_rejects_bad_arguments_with_the_fix(kwargs, match):
     with pytest.raises(ad.DistributedError, match=match):
-        plan(1, environ={}, **kwargs)
+        plan(1, LaunchOptions(**kwargs), environ={})
 
 
 def test_scoped_environ_restores_everything_also_on_error():
@@ -546,7 +552,7 @@ def test_a_worker_that_starts_a_launch_again_says_which_guard_is_missing(tmp_pat
 def test_the_guard_is_found_around_the_launching_line(source, line, guarded):
     import ast
 
-    from anydevice.launching.elastic import _guarded
+    from anydevice.launching.preflight import _guarded
 
     assert _guarded(ast.parse(source), line) is guarded
 

@@ -576,6 +576,7 @@ def _launch(args: argparse.Namespace) -> int:
         quiet_lookup_warnings()
     from anydevice.errors import DistributedError, WorkerFailedError
     from anydevice.launching.elastic import launch_script
+    from anydevice.launching.options import LaunchOptions
 
     def stop(signum: int, frame: object) -> None:  # before and after the agent's own
         raise SystemExit(128 + signum)
@@ -583,10 +584,7 @@ def _launch(args: argparse.Namespace) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, stop)
     try:
-        return launch_script(
-            args.target,
-            args.args,
-            module=args.module,
+        options = LaunchOptions(
             nprocs=args.nprocs,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -596,10 +594,11 @@ def _launch(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             grace=args.grace,
             hang_after=args.hang_after,
-            log_dir=args.log_dir,
             verbose=args.verbose,
             local_addr=args.local_addr,
+            log_dir=args.log_dir,
         )
+        return launch_script(args.target, args.args, options, module=args.module)
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return e.exitcode if e.exitcode > 0 else 128 - e.exitcode if e.exitcode < 0 else 1

@@ -9,7 +9,10 @@ hang watch's rank side) is here too. Nothing here imports the training side
 * :mod:`~anydevice.launching.environment` — which launcher started this process (pure).
 * :mod:`~anydevice.launching.elastic` — ``launch()`` through torch's elastic agent.
 * :mod:`~anydevice.launching.arguments` — what ``launch()`` takes, checked before it starts.
-* :mod:`~anydevice.launching.options` — ``LaunchPlan``: what the agent is given, pure data.
+* :mod:`~anydevice.launching.options` — ``LaunchOptions``: what a launch is asked for;
+  ``LaunchPlan``: what the agent is given, pure data.
+* :mod:`~anydevice.launching.preflight` — what would break the workers as they start (a
+  missing main guard, a notebook's function under ``spawn``), refused before any starts.
 * :mod:`~anydevice.launching.agent` — torch's agent run for a launch, under faults.
 * :mod:`~anydevice.launching.rendezvous` — where the nodes meet, every wait bounded.
 * :mod:`~anydevice.launching.addressing` — the address of this node the others reach.

@@ -27,7 +27,7 @@ Environment variables change only for the duration of the launch and are restore
 
 from __future__ import annotations
 
-import ast
+import dataclasses
 import logging
 import os
 import sys
@@ -37,10 +37,10 @@ from typing import Any, TypeVar
 
 from anydevice.errors import DeviceNotFoundError, DistributedError
 from anydevice.hardware.inventory import Inventory
-from anydevice.launching import addressing, arguments, environment
+from anydevice.launching import addressing, arguments, environment, preflight
 from anydevice.launching.agent import LOOPBACK, Preempted, run_agent, scoped_environ
 from anydevice.launching.environment import World
-from anydevice.launching.options import LaunchPlan
+from anydevice.launching.options import LaunchOptions, LaunchPlan
 
 __all__ = [
     "launch",
@@ -160,9 +160,8 @@ def launch(
         WorkerImportError: ``fn``, or something in ``args``, is defined in an interactive
             session (a notebook cell) that ``spawn``ed workers cannot import from.
     """
-    _refuse_while_a_worker_starts()
-    arguments.check(
-        fn=fn,
+    preflight.refuse_while_a_worker_starts()
+    options = LaunchOptions(
         nprocs=nprocs,
         nnodes=nnodes,
         node_rank=node_rank,
@@ -175,27 +174,15 @@ def launch(
         hang_after=hang_after,
         verbose=verbose,
         local_addr=local_addr,
-        log_dir=log_dir,  # last: it is made if missing
+        log_dir=log_dir,
     )
+    arguments.check(fn=fn, **options.given())
     world = environment.detect()
     if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
         return _run_in_place(fn, args, world, nprocs)
-    _check_main_guard(start_method)
-    chosen = _plan_here(
-        world,
-        nprocs,
-        nnodes,
-        node_rank,
-        rdzv_endpoint,
-        run_id,
-        max_restarts,
-        start_method,
-        timeout,
-        grace,
-        local_addr,
-        hang_after=hang_after,
-    )
-    _check_sendable(fn, args, start_method)
+    preflight.check_main_guard(start_method)
+    chosen = _plan_here(world, options)
+    preflight.check_sendable(fn, args, start_method)
     try:
         results: dict[int, T] = run_agent(chosen, fn, args, log_dir=log_dir, verbose=verbose)
     except Preempted as e:
@@ -207,27 +194,17 @@ def launch(
 def launch_script(
     target: str,
     args: list[str] | tuple[str, ...] = (),
+    options: LaunchOptions | None = None,
     *,
     module: bool = False,
-    nprocs: int | str = "auto",
-    nnodes: int | str = 1,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    run_id: str | None = None,
-    max_restarts: int = 0,
-    timeout: float = 300.0,
-    grace: float = 30.0,
-    log_dir: str | os.PathLike[str] | None = None,
-    verbose: bool = False,
-    local_addr: str | None = None,
-    hang_after: float = 30.0,
 ) -> int:
     """``anydevice launch``: run a script (or ``-m`` module) in one process per device.
 
     Each worker is ``python -u -m anydevice.launching.runner SCRIPT ARGS``, which runs
     the script as ``__main__`` and records an uncaught exception for the launcher. Under a
     launcher already (torchrun, srun with one task per GPU, mpirun) the script runs here,
-    in this process, as the rank it is. Arguments as for :func:`launch`.
+    in this process, as the rank it is. ``options`` as :func:`launch` takes them (the
+    workers start with ``spawn``: a new interpreter each).
 
     Returns:
         0 when every worker succeeded (failures raise, as in :func:`launch`).
@@ -235,48 +212,26 @@ def launch_script(
     Raises:
         FileNotFoundError: there is no such script.
     """
-    arguments.check(
-        target=target,
-        args=args,
-        module=module,
-        nprocs=nprocs,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        run_id=run_id,
-        max_restarts=max_restarts,
-        timeout=timeout,
-        grace=grace,
-        hang_after=hang_after,
-        verbose=verbose,
-        local_addr=local_addr,
-        log_dir=log_dir,  # last: it is made if missing
-    )
+    options = dataclasses.replace(options or LaunchOptions(), start_method="spawn")
+    arguments.check(target=target, args=args, module=module, **options.given("start_method"))
     if not module and not os.path.isfile(target):
         raise FileNotFoundError(f"No script {target!r} (in {os.getcwd()}).")
     world = environment.detect()
-    if world.is_launched and not _is_slurm_node_launcher(world, nprocs):
+    if world.is_launched and not _is_slurm_node_launcher(world, options.nprocs):
         from anydevice.launching import runner
 
         logger.info("already %s: running %s in place", world.describe(), target)
         runner.run(target, list(args), module=module)
         return 0
-    chosen = _plan_here(
-        world,
-        nprocs,
-        nnodes,
-        node_rank,
-        rdzv_endpoint,
-        run_id,
-        max_restarts,
-        "spawn",
-        timeout,
-        grace,
-        local_addr,
-        hang_after=hang_after,
-    )
+    chosen = _plan_here(world, options)
     head = ["-u", "-m", "anydevice.launching.runner", *(["-m"] if module else [])]
-    run_agent(chosen, sys.executable, [*head, target, *args], log_dir=log_dir, verbose=verbose)
+    run_agent(
+        chosen,
+        sys.executable,
+        [*head, target, *args],
+        log_dir=options.log_dir,
+        verbose=options.verbose,
+    )
     return 0
 
 
@@ -307,26 +262,20 @@ def resolve_nprocs(nprocs: int | str, inv: Inventory) -> int:
 
 def plan(
     nprocs: int,
+    options: LaunchOptions | None = None,
     *,
-    nnodes: int | str = 1,
-    node_rank: int | None = None,
-    rdzv_endpoint: str | None = None,
-    run_id: str | None = None,
-    max_restarts: int = 0,
-    start_method: str = "spawn",
-    timeout: float = 300.0,
-    grace: float = 30.0,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
-    hang_after: float = 30.0,
 ) -> LaunchPlan:
-    """The agent's configuration for these arguments (pure; ``environ`` defaults to
-    ``os.environ``, ``cores`` is the number of usable CPU cores).
+    """The agent's configuration for ``nprocs`` processes per node launched with
+    ``options`` (default: ``launch``'s defaults). Pure: ``options``' ``nprocs``,
+    ``verbose``, ``local_addr`` and ``log_dir`` are not read; ``environ`` defaults to
+    ``os.environ``, ``cores`` is the number of usable CPU cores.
 
     >>> p = plan(2)
     >>> p.standalone, p.rdzv_endpoint, p.local_addr
     (True, '127.0.0.1:0', '127.0.0.1')
-    >>> plan(4, nnodes="1:2", rdzv_endpoint="10.0.0.1:29400").env
+    >>> plan(4, LaunchOptions(nnodes="1:2", rdzv_endpoint="10.0.0.1:29400")).env
     {'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1'}
 
     Raises:
@@ -335,46 +284,36 @@ def plan(
             or endpoint, a ``start_method`` not one of spawn, forkserver, fork, ...).
     """
     env = os.environ if environ is None else environ
-    arguments.check(
-        nprocs=nprocs,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        run_id=run_id,
-        max_restarts=max_restarts,
-        start_method=start_method,
-        timeout=timeout,
-        grace=grace,
-        hang_after=hang_after,
-    )
-    min_nodes, max_nodes = arguments.node_range(nnodes)
-    configs: dict[str, Any] = {"join_timeout": int(max(1, round(timeout)))}
+    o = options or LaunchOptions()
+    arguments.check(nprocs=nprocs, **o.given("nprocs", "verbose", "local_addr", "log_dir"))
+    min_nodes, max_nodes = arguments.node_range(o.nnodes)
+    configs: dict[str, Any] = {"join_timeout": int(max(1, round(o.timeout)))}
     local_addr: str | None
-    if max_nodes == 1 and rdzv_endpoint is None:
-        endpoint, local_addr, name = "127.0.0.1:0", "127.0.0.1", run_id or uuid.uuid4().hex
+    if max_nodes == 1 and o.rdzv_endpoint is None:
+        endpoint, local_addr, name = "127.0.0.1:0", "127.0.0.1", o.run_id or uuid.uuid4().hex
         configs["is_host"] = True
     else:
-        if not rdzv_endpoint:
+        if not o.rdzv_endpoint:
             raise DistributedError(
-                f"nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT': an address of the node "
+                f"nnodes={o.nnodes!r} needs rdzv_endpoint='HOST:PORT': an address of the node "
                 "with node_rank=0 that every node can reach, e.g. rdzv_endpoint="
                 "'10.0.0.1:29400' (the same on every node)."
             )
-        host = _endpoint_host(rdzv_endpoint)
-        endpoint, name = rdzv_endpoint, run_id or "anydevice"
+        host = _endpoint_host(o.rdzv_endpoint)
+        endpoint, name = o.rdzv_endpoint, o.run_id or "anydevice"
         # Nodes meeting on a loopback address are all on this machine: stay there.
         local_addr = host if host in LOOPBACK else None
-        if node_rank is not None:
-            configs["is_host"] = node_rank == 0
+        if o.node_rank is not None:
+            configs["is_host"] = o.node_rank == 0
         elif max_nodes == 1:  # no other node to host it: a taken port is another job's
             configs["is_host"] = True
     extra: dict[str, str] = {}
     unshared = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    if (max_restarts > 0 or min_nodes != max_nodes) and unshared not in env:
+    if (o.max_restarts > 0 or min_nodes != max_nodes) and unshared not in env:
         extra[unshared] = "1"
     if nprocs > 1 and cores and "OMP_NUM_THREADS" not in env:
         extra["OMP_NUM_THREADS"] = str(max(1, cores // nprocs))
-    if start_method == "fork":
+    if o.start_method == "fork":
         from anydevice.launching.runner import FORKED
 
         extra[FORKED] = "1"  # one intra-op thread: see runner._one_thread_after_fork
@@ -385,49 +324,29 @@ def plan(
         rdzv_endpoint=endpoint,
         rdzv_configs=configs,
         run_id=name,
-        max_restarts=max_restarts,
-        start_method=start_method,
+        max_restarts=o.max_restarts,
+        start_method=o.start_method,
         local_addr=local_addr,
         env=extra,
-        grace=float(grace),
-        hang_after=float(hang_after),
+        grace=float(o.grace),
+        hang_after=float(o.hang_after),
     )
 
 
-def _plan_here(
-    world: World,
-    nprocs: int | str,
-    nnodes: int | str,
-    node_rank: int | None,
-    rdzv_endpoint: str | None,
-    run_id: str | None,
-    max_restarts: int,
-    start_method: str,
-    timeout: float,
-    grace: float = 30.0,
-    local_addr: str | None = None,
-    *,
-    hang_after: float = 30.0,
-) -> LaunchPlan:
+def _plan_here(world: World, options: LaunchOptions) -> LaunchPlan:
+    """:func:`plan` for this machine (its devices and cores) and the launcher around it,
+    then the address the other nodes reach (:func:`~anydevice.launching.addressing.settle`)."""
     if world.launcher == "slurm":  # one task per node: SLURM says where the nodes meet
-        nnodes, node_rank = world.nnodes, world.node_rank
-        rdzv_endpoint = rdzv_endpoint or f"{world.master_addr}:{world.master_port}"
-        run_id = run_id or world.job_id
+        options = dataclasses.replace(
+            options,
+            nnodes=world.nnodes,
+            node_rank=world.node_rank,
+            rdzv_endpoint=options.rdzv_endpoint or f"{world.master_addr}:{world.master_port}",
+            run_id=options.run_id or world.job_id,
+        )
     inv = _inventory()
-    chosen = plan(
-        resolve_nprocs(nprocs, inv),
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        run_id=run_id,
-        max_restarts=max_restarts,
-        start_method=start_method,
-        timeout=timeout,
-        grace=grace,
-        cores=inv.host.cores_usable,
-        hang_after=hang_after,
-    )
-    return addressing.settle(chosen, local_addr)
+    chosen = plan(resolve_nprocs(options.nprocs, inv), options, cores=inv.host.cores_usable)
+    return addressing.settle(chosen, options.local_addr)
 
 
 def _inventory() -> Inventory:
@@ -469,123 +388,3 @@ def _run_in_place(
     else:
         value = fn(*args)
     return {world.rank: value}  # type: ignore[dict-item]  # record's Optional is for exit(0)
-
-
-def _refuse_while_a_worker_starts() -> None:
-    """Stop a ``spawn``/``forkserver`` worker that runs ``launch`` while it starts.
-
-    Such a worker first runs the launching script's top level again (as ``__mp_main__``);
-    a ``launch`` call there that no ``if __name__ == "__main__":`` guards would launch
-    once more, and Python's multiprocessing then fails with its long "bootstrapping
-    phase" error. :func:`_check_main_guard` refuses that script before any worker starts;
-    this is for a call it could not see (a script whose source cannot be read).
-    """
-    import multiprocessing
-
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(
-            "anydevice: ad.launch was called again in a starting worker: the script calls "
-            f"it {_GUARD_FIX.format(method='spawn')}"
-        )
-
-
-#: What to do about a ``launch`` call that workers would run again as they start.
-_GUARD_FIX = (
-    'outside `if __name__ == "__main__":`, which each {method}ed worker runs again as it '
-    "starts. Put the call under that guard."
-)
-
-
-def _check_main_guard(start_method: str) -> None:
-    """Refuse a ``launch`` from the top level of the ``__main__`` script outside ``if
-    __name__ == "__main__":``, which each ``spawn``/``forkserver`` worker would run again.
-
-    The call is found on the stack (the ``__main__`` module's own frame) and its line in
-    the script's syntax tree; a script that cannot be read or parsed is let through.
-    """
-    if start_method == "fork":
-        return
-    main = sys.modules.get("__main__")
-    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
-    if spec_name is not None and (spec_name == "__main__" or spec_name.endswith(".__main__")):
-        return  # `python -m package`: multiprocessing does not run a package's __main__ again
-    if spec_name is None and not getattr(main, "__file__", None):
-        return  # an interactive session: nothing for a worker to run again
-    frame = sys._getframe(1)
-    while frame is not None and not (
-        frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"
-    ):
-        frame = frame.f_back  # type: ignore[assignment]  # None ends the loop
-    if frame is None:
-        return
-    path, line = frame.f_code.co_filename, frame.f_lineno
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return
-    if _guarded(tree, line):
-        return
-    raise DistributedError(
-        f"{os.path.basename(path)} line {line} calls ad.launch "
-        + _GUARD_FIX.format(method=start_method)
-    )
-
-
-def _guarded(tree: ast.Module, line: int) -> bool:
-    """Whether ``line`` of the module lies in the body of an ``if`` that tests
-    ``__name__`` against ``"__main__"``."""
-    nodes: list[ast.stmt | ast.excepthandler] = list(tree.body)
-    while nodes:
-        node = next((n for n in nodes if n.lineno <= line <= (n.end_lineno or n.lineno)), None)
-        if node is None:
-            return False
-        if isinstance(node, ast.If) and _tests_main(node.test):
-            return any(n.lineno <= line <= (n.end_lineno or n.lineno) for n in node.body)
-        nodes = []
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.stmt, ast.excepthandler)):
-                nodes.append(child)
-            elif isinstance(child, ast.match_case):
-                nodes.extend(child.body)
-    return False
-
-
-def _tests_main(test: ast.expr) -> bool:
-    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
-    texts = {n.value for n in ast.walk(test) if isinstance(n, ast.Constant)}
-    return "__name__" in names and "__main__" in texts
-
-
-def _check_sendable(fn: Callable[..., Any], args: tuple[Any, ...], start_method: str) -> None:
-    if start_method == "fork":
-        from anydevice.hardware.backends.cuda import driver_initialized
-
-        if driver_initialized():
-            from anydevice.feeding.startmethod import interactive_main
-
-            raise DistributedError(
-                "CUDA is already initialised in this process, so forked workers cannot use "
-                "it (and may hang). Use start_method='spawn' (the default)"
-                + (
-                    ", with the function in a .py file next to the notebook, imported from "
-                    "there; or restart the kernel and launch before anything uses CUDA."
-                    if interactive_main()
-                    else "."
-                )
-            )
-        return
-    from anydevice.errors import WorkerImportError
-    from anydevice.feeding.startmethod import check_launch
-
-    try:
-        check_launch(fn, args, start_method)  # a notebook's function or class: say so now
-    except WorkerImportError:
-        raise
-    except Exception as e:
-        raise DistributedError(
-            f"Cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to "
-            f"{start_method}ed workers: {type(e).__name__}: {e}. Define the function at module "
-            "level (not a lambda or a nested function) and pass picklable arguments, or use "
-            "start_method='fork'."
-        ) from e

@@ -1,17 +1,57 @@
-"""What the elastic agent is given for a launch: :class:`LaunchPlan`, pure data.
+"""What a launch is asked (:class:`LaunchOptions`) and what the elastic agent is given
+(:class:`LaunchPlan`): pure data.
 
-:func:`~anydevice.launching.elastic.plan` works it out from ``launch``'s arguments; the
-agent (:mod:`.agent`), the rendezvous (:mod:`.rendezvous`, :mod:`.tenants`) and the
-addressing (:mod:`.addressing`) read it. It sits below all of them, importing nothing of
-the package, so that each may name it.
+``ad.launch`` and ``anydevice launch`` take the options as arguments and flags;
+:func:`~anydevice.launching.elastic.plan` works the plan out from them; the agent
+(:mod:`.agent`), the rendezvous (:mod:`.rendezvous`, :mod:`.tenants`) and the addressing
+(:mod:`.addressing`) read the plan. This module sits below all of them, importing nothing
+of the package, so that each may name both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LaunchPlan"]
+__all__ = ["LaunchOptions", "LaunchPlan"]
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to launch, as ``ad.launch`` takes it (its keyword arguments, same names and
+    defaults, documented there): one record that ``launch``, ``anydevice launch`` and
+    :func:`~anydevice.launching.elastic.plan` pass on. Unchecked:
+    :func:`~anydevice.launching.arguments.check` judges them (:meth:`given`).
+
+    >>> LaunchOptions(nprocs=2).given("log_dir", "verbose", "local_addr")["nprocs"]
+    2
+    """
+
+    nprocs: int | str = "auto"
+    nnodes: int | str = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    run_id: str | None = None
+    max_restarts: int = 0
+    start_method: str = "spawn"
+    timeout: float = 300.0
+    grace: float = 30.0
+    hang_after: float = 30.0
+    verbose: bool = False
+    local_addr: str | None = None
+    #: last, as :meth:`given` lists them: checking it makes the folder
+    log_dir: str | os.PathLike[str] | None = None
+
+    def given(self, *leave_out: str) -> dict[str, Any]:
+        """The options by name, but ``leave_out``, in the order they are checked (``log_dir``
+        last: a check makes the folder, so it comes after every refusal)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in leave_out
+        }
 
 
 @dataclass(frozen=True)
