@@ -282,7 +282,7 @@ def _load_device_finders() -> None:
     """
     from anydevice.hardware import backends
 
-    for kind in backends.KINDS:
+    for kind in backends.probe_order():
         backends.get(kind)
     import psutil  # noqa: F401
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from anydevice.checkpoints import arrival, history, integrity, ondisk
 from anydevice.errors import CheckpointError
+from anydevice.hardware import backends
 from anydevice.hardware.facts import format_bytes
 from anydevice.placement import checkpoint
 
@@ -268,7 +269,7 @@ def background_group() -> Any:
     if _group is None or _group[0] is not world:
         seconds = arrival.group_timeout(world)
         timeout = datetime.timedelta(seconds=seconds) if seconds else None
-        _group = (world, dist.new_group(backend="gloo", timeout=timeout))
+        _group = (world, dist.new_group(backend=backends.host().collective, timeout=timeout))
     return _group[1]
 
 

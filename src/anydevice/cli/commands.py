@@ -108,7 +108,7 @@ def _select_args(p: argparse.ArgumentParser) -> None:
 
 def _select(args: argparse.Namespace) -> int:
     from anydevice.errors import AnydeviceError
-    from anydevice.hardware.choice import select_visible
+    from anydevice.hardware.freest import select_visible
 
     try:
         print(select_visible(args.n, args.min_free, args.max_util, args.format))
@@ -543,7 +543,7 @@ def _missing_module(name: str, path: list[str]) -> str | None:
 
 def _bad_device_variable() -> str | None:
     """What is wrong with ``ANYDEVICE_DEVICE`` here, found before any worker starts."""
-    from anydevice.hardware.choice import device_override  # torch-free: torch is not imported yet
+    from anydevice.hardware.override import device_override  # torch-free: torch is not imported yet
 
     if device_override() is None:
         return None

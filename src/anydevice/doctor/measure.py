@@ -51,7 +51,8 @@ from anydevice.doctor.workloads import (
     reached,
     threads_set,
 )
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import facts, runtime
+from anydevice.hardware.backends.base import META
 from anydevice.hardware.facts import DeviceInfo, format_bytes
 from anydevice.hardware.inventory import Inventory
 from anydevice.hardware.peaks import gpu_peak, pcie_peak
@@ -253,9 +254,10 @@ def _dtypes(info: DeviceInfo, kind: str) -> list[str]:
     if backend.is_host:
         return ["fp32", "bf16"]
     out = ["fp32"]
-    if backend.tf32 and info.tf32:
+    tf32 = facts(kind).tf32
+    if tf32 and info.tf32:
         out.append("tf32")
-    if info.bf16 or not backend.tf32:  # a GPU without TF32 units has no bf16 ones either
+    if info.bf16 or not tf32:  # a GPU without TF32 units has no bf16 ones either
         out.append("bf16")
     return [*out, "fp16"]
 
@@ -280,7 +282,7 @@ def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Deadline) -> N
             info.spec,
             f"matmul-{dtype}",
             f"matmul {dtype}"
-            + (" (TF32 off)" if dtype == "fp32" and runtime(info.kind).tf32 else ""),
+            + (" (TF32 off)" if dtype == "fp32" and facts(info.kind).tf32 else ""),
             2 * k**3 / seconds / 1e9,
             "GFLOP/s",
             peak * 1000 if peak else None,
@@ -398,7 +400,7 @@ def _mlp_step_flops(batch: int, width: int) -> float:
     """FLOPs of one MLP training step, counted on the meta device (nothing runs)."""
     from anydevice.measure.flops import flops
 
-    meta = torch.device("meta")
+    meta = torch.device(META.name)
     model = mlp(width, meta)
     x, y = torch.randn(batch, width, device=meta), torch.randn(batch, width, device=meta)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -558,8 +560,12 @@ def _emulated(inv: Inventory, run: Run) -> list[str]:
 
 
 def _release() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    """Give back the allocator caches of the accelerators a step used: the next step
+    starts from what the device has free, not from what the last one kept."""
+    from anydevice.measure.clocks import in_use
+
+    for device in in_use():
+        runtime(device.type).empty_cache(device)
 
 
 def _first_line(e: BaseException) -> str:

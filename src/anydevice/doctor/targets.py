@@ -10,8 +10,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from anydevice.hardware.choice import with_override
 from anydevice.hardware.facts import DeviceInfo
+from anydevice.hardware.override import with_override
 
 if TYPE_CHECKING:
     from anydevice.doctor.workloads import Plan

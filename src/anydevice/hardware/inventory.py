@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anydevice.hardware.facts import (
-    ACCELERATOR_KINDS,
     DeviceInfo,
     HostInfo,
 )
@@ -192,11 +191,11 @@ def _collect(
 ) -> Inventory:
     from anydevice.hardware import backends
 
-    order = (*ACCELERATOR_KINDS, "accelerator", "cpu")  # "accelerator": any other torch knows
+    order = backends.probe_order()  # the named accelerators, the generic one, the host
     wanted = tuple(kinds) if kinds is not None else order
     by_name = tuple(k for k in wanted if k not in order)  # device types by name ("npu")
-    if by_name and "accelerator" not in wanted:
-        wanted = (*wanted, "accelerator")
+    if by_name and backends.GENERIC not in wanted:
+        wanted = (*wanted, backends.GENERIC)
     host_fields: dict[str, Any] = {}
     devices: list[DeviceInfo] = []
     notes: list[str] = []
@@ -220,7 +219,9 @@ def _collect(
             probe = backend.probe(telemetry=live) if live or memory else backend.probe_static()
         host_fields.update(probe.host)
         if kind in wanted:
-            devices.extend(d for d in probe.devices if kind != "accelerator" or _asked(d, by_name))
+            devices.extend(
+                d for d in probe.devices if kind != backends.GENERIC or _asked(d, by_name)
+            )
         notes.extend(probe.notes)
     if imported_for:
         notes.append(f"torch was imported to look for {', '.join(imported_for)} devices.")

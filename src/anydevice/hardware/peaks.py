@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from anydevice.hardware.backends.cuda import CudaBackend  # the table lists NVIDIA's GPUs
 from anydevice.hardware.facts import DeviceInfo
 
 __all__ = ["GpuPeak", "Peak", "gpu_peak", "pcie_peak"]
@@ -131,7 +132,7 @@ def gpu_peak(info: DeviceInfo) -> GpuPeak | None:
     >>> gpu_peak(DeviceInfo(kind="cpu", index=None, name="AMD EPYC")) is None
     True
     """
-    if info.kind != "cuda" or info.mig_parent:  # a MIG slice has a fraction of the GPU
+    if info.kind != CudaBackend.kind or info.mig_parent:  # a MIG slice has a fraction of one
         return None
     for row in _ROWS:
         if re.search(row[0], info.name, re.IGNORECASE):

@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from anydevice.hardware.backends.cuda import CudaBackend
 from anydevice.hardware.facts import DeviceInfo, HostInfo, format_bytes
 
 __all__ = ["device_table", "host_panel", "host_table"]
@@ -68,7 +69,7 @@ def device_table(d: DeviceInfo) -> Panel:
     def row(label: str, value: Any) -> None:
         t.add_row(label, _unknown() if value is None else str(value))
 
-    if d.kind == "cuda":
+    if d.kind == CudaBackend.kind:  # nvidia-smi's rows
         smi = "?" if d.smi_index is None else str(d.smi_index)
         guess = " (CUDA's FASTEST_FIRST guess)" if d.index_guessed else ""
         row("index", f"{d.spec}; nvidia-smi GPU {smi}{guess}")

@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from anydevice.errors import DeviceNotFoundError, DistributedError
+from anydevice.hardware import backends
 from anydevice.hardware.inventory import Inventory
 from anydevice.launching import addressing, arguments, environment, preflight
 from anydevice.launching.agent import LOOPBACK, Preempted, run_agent, scoped_environ
@@ -249,15 +250,23 @@ def resolve_nprocs(nprocs: int | str, inv: Inventory) -> int:
     count = arguments.process_count(nprocs)
     if isinstance(count, int):
         return count
-    gpus = inv.of_kind("cuda") or inv.of_kind("xpu")
+    kinds = _per_device_kinds()
+    gpus = next((found for found in map(inv.of_kind, kinds) if found), ())
     if count == "auto":
         return max(1, len(gpus))
     if not gpus:
+        labels = " or ".join(backends.get(k).label for k in kinds)
         raise DeviceNotFoundError(
-            "nprocs='gpu' asks for one process per GPU, but no CUDA or XPU device is "
+            f"nprocs='gpu' asks for one process per GPU, but no {labels} device is "
             "visible here. Pass nprocs=N for N CPU processes, or nprocs='auto'."
         )
     return len(gpus)
+
+
+def _per_device_kinds() -> tuple[str, ...]:
+    """The accelerator kinds a launch starts one process per device of: those whose DDP
+    runs one device per process (CUDA, XPU)."""
+    return tuple(k for k in backends.accelerators() if backends.get(k).ddp_device_ids)
 
 
 def plan(
@@ -352,7 +361,7 @@ def _plan_here(world: World, options: LaunchOptions) -> LaunchPlan:
 def _inventory() -> Inventory:
     from anydevice.hardware.inventory import inventory
 
-    return inventory(telemetry=False, kinds=("cuda", "xpu", "cpu"))
+    return inventory(telemetry=False, kinds=(*_per_device_kinds(), backends.host().name))
 
 
 def _endpoint_host(endpoint: str) -> str:

@@ -194,13 +194,11 @@ def _world_size(what: str) -> int:
 
 
 def _comm_device() -> torch.device:
-    """Where the default group's backend wants tensors: this rank's GPU for NCCL/XCCL."""
-    backend = str(dist.get_backend())
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "xccl" in backend:
-        return torch.device("xpu", torch.xpu.current_device())
-    return torch.device("cpu")
+    """Where the default group's backend wants tensors: this rank's GPU for NCCL/XCCL
+    (the one rule, :func:`anydevice.hardware.backends.collective_device`)."""
+    from anydevice.hardware.backends import collective_device
+
+    return collective_device()
 
 
 def _gather_tensors(t: torch.Tensor, size: int) -> list[torch.Tensor]:

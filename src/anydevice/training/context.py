@@ -42,9 +42,9 @@ from torch import nn
 
 from anydevice.errors import DistributedError, DistributedTimeoutError
 from anydevice.feeding.streams import stream_device
-from anydevice.hardware import pulse, selection
+from anydevice.hardware import backends, pulse, selection
 from anydevice.hardware.backends import runtime
-from anydevice.hardware.spec import NO_INDEX, DeviceLike, parse_spec
+from anydevice.hardware.spec import DeviceLike, parse_spec, unindexed
 from anydevice.launching import environment, progress
 from anydevice.launching.environment import World
 from anydevice.training import accumulation, preemption
@@ -157,8 +157,8 @@ class Distributed:
         """Wait until every rank gets here; returns at once in a world of one."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        if "nccl" in str(dist.get_backend()):  # NCCL's barrier names its GPU
-            dist.barrier(device_ids=[_index(self.device)])
+        if not runtime(backends.collective_device().type).is_host:
+            dist.barrier(device_ids=[_index(self.device)])  # NCCL's barrier names its GPU
         else:
             dist.barrier()
 
@@ -272,7 +272,7 @@ def rank_device(spec: DeviceLike, local_rank: int) -> torch.device:
     device(type='cpu')
     """
     parsed = parse_spec(spec)
-    if parsed.kind in NO_INDEX:
+    if unindexed(parsed.kind):
         return torch.device(parsed.kind)
     if parsed.index is not None:
         return selection.device(spec)
@@ -290,18 +290,7 @@ def backend_for(device: torch.device) -> str:
     >>> backend_for(torch.device("cpu"))
     'gloo'
     """
-    name = str(dist.Backend.default_device_backend_map.get(device.type, "gloo"))
-    if name not in ("gloo", "nccl") and not _built(name):
-        return "gloo"
-    return name
-
-
-def _built(backend: str) -> bool:
-    """Whether this torch has the collective ``backend``."""
-    available = getattr(dist, "is_backend_available", None)
-    if available is not None:
-        return bool(available(backend))
-    return bool(getattr(dist, f"is_{backend}_available", lambda: False)())
+    return backends.collective_backend(device.type)
 
 
 # ----------------------------------------------------------------------------- internals
@@ -363,9 +352,8 @@ def _existing(
         )
     rank, size = dist.get_rank(), dist.get_world_size()
     local = world.local_rank if world.world_size == size else 0
-    if "nccl" in current and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    else:
+    dev = backends.collective_device(current)  # NCCL's: this rank's GPU
+    if runtime(dev.type).is_host:
         dev = rank_device(device, local)
     local_size = world.local_world_size if world.world_size == size else 1
     node = world.node_rank if world.world_size == size else 0
@@ -373,19 +361,16 @@ def _existing(
 
 
 def _check_backend(name: str, dev: torch.device, world: World) -> None:
-    for part in name.split(","):
-        backend = part.rpartition(":")[2]
-        available = {
-            "gloo": dist.is_gloo_available,
-            "nccl": dist.is_nccl_available,
-            "mpi": dist.is_mpi_available,
-            "xccl": getattr(dist, "is_xccl_available", lambda: False),
-            "ucc": getattr(dist, "is_ucc_available", lambda: False),
-        }.get(backend)
+    host = backends.host()
+    for backend in sorted(backends.group_backends(name)):
+        available = getattr(dist, f"is_{backend}_available", None)  # torch's own backends
         if available is not None and not available():
+            owner = next((k for k in backends.kinds() if k.collective == backend), host)
+            label = runtime(owner.name).label
             hint = (
-                " NCCL needs a CUDA build of torch and an NVIDIA GPU; on the CPU use gloo."
-                if backend == "nccl"
+                f" {backend.upper()} needs a torch built for {label}, and {label} devices; "
+                f"on the CPU use {host.collective}."
+                if owner is not host
                 else ""
             )
             raise DistributedError(
@@ -398,14 +383,20 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
         raise DistributedError(refusal)
     # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
     # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
-    if "nccl" in name and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    own, kind = backends.facts(dev.type), runtime(dev.type)
+    variable = kind.visibility_variable
+    if (
+        own.one_rank_per_device
+        and own.collective in backends.group_backends(name)
+        and (variable is None or variable not in os.environ)
+    ):
         count = len(selection.devices(dev.type))
         if world.local_world_size > count:
             raise DistributedError(
-                f"{world.local_world_size} ranks run on this machine but {count} CUDA "
-                f"device(s) are visible, so ranks would share a GPU, which NCCL refuses "
-                f"('Duplicate GPU detected'). Launch at most {count} process(es) per machine "
-                "(anydevice launch -n gpu), or use backend='gloo' to share."
+                f"{world.local_world_size} ranks run on this machine but {count} {kind.label} "
+                f"device(s) are visible, so ranks would share one: {own.one_rank_per_device}. "
+                f"Launch at most {count} process(es) per machine (anydevice launch -n gpu), "
+                f"or use backend='{host.collective}' to share."
             )
 
 
@@ -444,8 +435,9 @@ def _init(
     options: dict[str, object] = {}
     if timeout is not None:
         options["timeout"] = _seconds(timeout)
-    if backend in ("nccl", "xccl") and backend == backend_for(dev):
-        options["device_id"] = dev  # binds the group to this GPU: eager, correct barriers
+    own = backends.facts(dev.type)
+    if not own.host and backend == own.collective and backend == backend_for(dev):
+        options["device_id"] = dev  # binds the group to this GPU (NCCL): eager, correct barriers
     logger.info("init_process_group(%s, %s) as %s", backend, init_method, world.describe())
     try:
         dist.init_process_group(

@@ -35,7 +35,7 @@ from torch.utils.data import (
 from anydevice.errors import DistributedError
 from anydevice.feeding.loader import DeviceLoader
 from anydevice.hardware import selection
-from anydevice.hardware.backends import runtime, torch_private
+from anydevice.hardware.backends import collective_device, runtime, torch_private
 from anydevice.hardware.spec import DeviceLike
 from anydevice.launching import environment
 from anydevice.training import sharding
@@ -344,8 +344,9 @@ def _where(device: DeviceLike | None) -> tuple[int, int, torch.device]:
         rank, size = dist.get_rank(), dist.get_world_size()
         if device is not None:
             return rank, size, selection.device(device)
-        if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-            return rank, size, torch.device("cuda", torch.cuda.current_device())
+        where = collective_device()  # NCCL's: this rank's GPU
+        if not runtime(where.type).is_host:
+            return rank, size, where
         world = environment.detect()
         local = world.local_rank if world.world_size == size else 0
         return rank, size, rank_device("auto", local)
@@ -429,7 +430,7 @@ def _data_parallel(
             stacklevel=3,
         )
         return model
-    ids = [i for i in (d.index for d in selection.devices("cuda")) if i is not None]
+    ids = [i for i in (d.index for d in selection.devices(dev.type)) if i is not None]
     first = _index(dev)
     ids = [first, *(i for i in ids if i != first)]
     return DataParallel(model, device_ids=ids, output_device=first, **kwargs)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from anydevice.errors import DistributedError
+from anydevice.hardware import backends
 from anydevice.launching import failures
 
 __all__ = ["REQUEUE_SIGNAL", "Preemption", "requeue_command", "requeue_signal", "watch"]
@@ -235,8 +236,9 @@ def watch(on_preempt: Callable[[], object]) -> Iterator[Preemption]:
         signals += (requeue_signal(os.environ),)
     group = None
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if grouped and "gloo" not in str(dist.get_backend()):
-        group = dist.new_group(backend="gloo")
+    host = backends.host().collective  # gloo
+    if grouped and host not in backends.group_backends():
+        group = dist.new_group(backend=host)
     watcher = Preemption(on_preempt, signals, group)
     watcher.install()
     try:

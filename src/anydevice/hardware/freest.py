@@ -1,8 +1,9 @@
-"""Choosing the freest GPUs: the rule behind ``ad.device("free")`` and ``anydevice select``.
+"""The freest GPUs: the rule behind ``ad.device("free")`` and ``anydevice select``.
 
 Most free memory first; on a tie, the less busy; then the lower index. The rule works on
 :class:`~anydevice.hardware.facts.DeviceInfo` data alone (no torch, no hardware), so it is
-tested with hand-built inventories and shared by the library and the command line.
+tested with hand-built inventories and shared by the library and the command line, which
+asks it before torch is imported (:func:`select_visible`: NVML only).
 """
 
 from __future__ import annotations
@@ -17,16 +18,13 @@ from anydevice.hardware.facts import DeviceInfo, format_bytes
 
 if TYPE_CHECKING:
     from anydevice.hardware.backends.nvml import GpuRecord
-    from anydevice.hardware.spec import Spec
 
 __all__ = [
     "Choice",
     "choose_free",
     "cuda_indices",
-    "device_override",
     "free_key",
     "select_visible",
-    "with_override",
 ]
 
 
@@ -133,13 +131,14 @@ def select_visible(
         VisibilityError: ``form="index"`` where CUDA's order cannot be known without CUDA.
     """
     from anydevice.hardware import backends
+    from anydevice.hardware.backends.cuda import CudaBackend  # CUDA_VISIBLE_DEVICES is CUDA's
     from anydevice.hardware.inventory import inventory_without_torch
 
     env = os.environ if environ is None else environ
-    inv = inventory_without_torch(kinds=("cuda",))
-    gpus = inv.of_kind("cuda")
+    inv = inventory_without_torch(kinds=(CudaBackend.kind,))
+    gpus = inv.of_kind(CudaBackend.kind)
     if not gpus:
-        reason = backends.get("cuda").unavailable_reason(inv.host)
+        reason = backends.get(CudaBackend.kind).unavailable_reason(inv.host)
         raise DeviceNotFoundError(f"no CUDA GPU to select: {reason}")
     choice = choose_free(gpus, n, min_free=min_free, max_util=max_util)
     if not choice.ok:
@@ -183,35 +182,3 @@ def cuda_indices(
         )
     order = [r.uuid for r in every.devices]
     return [order.index(str(d.uuid)) for d in picked]
-
-
-#: The variable that overrides what ``"auto"`` picks.
-DEVICE_VARIABLE = "ANYDEVICE_DEVICE"
-
-
-def device_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """The spec ``ANYDEVICE_DEVICE`` gives ``"auto"`` (None when unset or blank); the one
-    place it is read."""
-    value = (os.environ if environ is None else environ).get(DEVICE_VARIABLE, "").strip()
-    return value or None
-
-
-def with_override(spec: Spec, environ: Mapping[str, str] | None = None) -> Spec:
-    """``spec``, or for ``"auto"`` the spec ``ANYDEVICE_DEVICE`` gives where it is set: the
-    rule ``ad.device()``, the doctor and ``anydevice launch`` follow (errors in its value
-    name the variable).
-
-    >>> from anydevice.hardware.spec import parse_spec
-    >>> with_override(parse_spec("auto"), {"ANYDEVICE_DEVICE": "cpu"}).kind
-    'cpu'
-    >>> with_override(parse_spec("cuda:1"), {"ANYDEVICE_DEVICE": "cpu"}).text
-    'cuda:1'
-    """
-    if spec.kind != "auto":
-        return spec
-    override = device_override(environ)
-    if override is None:
-        return spec
-    from anydevice.hardware.spec import parse_spec  # imports torch: not at this module's load
-
-    return parse_spec(override, source=DEVICE_VARIABLE)

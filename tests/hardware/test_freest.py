@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from anydevice.errors import VisibilityError
-from anydevice.hardware.choice import choose_free, cuda_indices, free_key
+from anydevice.hardware.freest import choose_free, cuda_indices, free_key
 from anydevice.hardware.selection import select, select_all
 from anydevice.hardware.spec import Spec
 from machines import GiB, gpu, machine, mig, record
