@@ -345,8 +345,8 @@ def test_the_node_that_stops_a_mismatch_waits_until_the_other_nodes_saw_it():
 
     import torch.distributed as dist
 
-    from anydevice.distributed.hangwatch import HangWatch
-    from anydevice.distributed.verdict import Verdict
+    from anydevice.launching.hangwatch import HangWatch
+    from anydevice.launching.verdict import Verdict
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     finder, other = HangWatch(5.0), HangWatch(5.0)
