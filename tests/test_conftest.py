@@ -34,7 +34,7 @@ def test_every_world_file_is_one_the_suite_has():
 
 def test_a_files_worlds_are_one_unit_and_in_process_tests_are_not():
     slow = _slow_tests(TESTS)
-    file = "tests/distributed/test_hangwatch.py"
+    file = "tests/launching/test_hangwatch.py"
     a = f"{file}::test_a_mismatched_collective_stops_the_job_with_both_lines"
     b = f"{file}::test_two_nodes_stop_a_mismatch_with_one_verdict"
     assert world_scope(a, slow) == world_scope(b, slow) == f"world {file}"
