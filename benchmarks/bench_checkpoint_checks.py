@@ -57,7 +57,7 @@ def worker(args: Any, out: Path, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import anydevice as ad
-    from anydevice.distributed import integrity
+    from anydevice.checkpoints import integrity
 
     with ad.distributed() as d:
         net, opt = ad.prepare(model(args.width, args.depth), optimizer=torch.optim.AdamW,

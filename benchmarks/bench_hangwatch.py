@@ -2,7 +2,7 @@
 
 The watch adds nothing to a collective's own path: torch's flight recorder notes each
 collective (on by default in torch 2.13, ``TORCH_FR_BUFFER_SIZE=2000``), and a thread of
-each rank reads it twice a second (:mod:`anydevice.distributed.progress`). Three ways:
+each rank reads it twice a second (:mod:`anydevice.launching.progress`). Three ways:
 
 * **recorder off**: ``TORCH_FR_BUFFER_SIZE=0``, no watch thread — torch recording nothing;
 * **torch default**: the recorder on (2000 entries), no watch thread — what every torch
@@ -64,7 +64,7 @@ def blocks(
     """Each measure once per block, for each way this process runs, taking turns; then
     (rank 0) the watch's tick on its own, ``between`` run before each (not timed)."""
     from anydevice import heartbeat
-    from anydevice.distributed import progress
+    from anydevice.launching import progress
 
     recorder = os.environ.get("TORCH_FR_BUFFER_SIZE") != "0"
     ways = ("torch default", "anydevice watch") if recorder else ("recorder off",)

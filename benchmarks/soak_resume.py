@@ -6,7 +6,7 @@ bit for bit.
 
 ``python benchmarks/soak_resume.py [--cycles 30] [--epochs 8] [--seed S] [--generator]
 [--workers W]``. The loop and the verdict are tests/soak.py's (the test suite runs it with
-4 cycles: tests/distributed/test_soak_resume.py); this records the machine, torch and the
+4 cycles: tests/checkpoints/test_soak_resume.py); this records the machine, torch and the
 load average with the result in benchmarks/results/.
 """
 

@@ -5,8 +5,10 @@ circles, the longest import chain, and the layers of its subpackages.
 
 Imports are read from the syntax tree, never executed. By default only imports that run
 when a module loads count (top level, outside ``if TYPE_CHECKING:``); ``--all-imports``
-adds those inside functions, which break a circle at load time but still tie the modules
-together (what a reader has to hold in mind).
+adds those inside functions and those for type checkers alone, which break a circle at
+load time but still tie the modules together (what a reader has to hold in mind). An
+import of a name from a module's own package (``from anydevice.doctor import examine``
+inside ``doctor/``) ties it to the package's ``__init__`` like any other.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"hardware"}),
     frozenset({"placement", "numerics", "extension"}),
     frozenset({"feeding", "measure"}),
-    frozenset({"distributed"}),
+    frozenset({"launching", "checkpoints"}),
+    frozenset({"training"}),
     frozenset({"doctor", "testing"}),
     frozenset({"cli", ""}),
     frozenset({"__main__"}),
@@ -68,7 +71,8 @@ def _type_checking(node: ast.If) -> bool:
 
 def imports(path: Path, name: str, everything: bool, known: set[str]) -> set[str]:
     """The anydevice modules ``path`` imports: ``from pkg import sub`` ties it to ``sub``
-    alone, and its own parent packages are not counted (Python loads them first anyway)."""
+    alone, ``from pkg import name`` to ``pkg`` (its own package too); with ``everything``,
+    also the imports inside functions and under ``if TYPE_CHECKING:``."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -76,6 +80,8 @@ def imports(path: Path, name: str, everything: bool, known: set[str]) -> set[str
     def visit(nodes: list[ast.stmt], top: bool) -> None:
         for node in nodes:
             if isinstance(node, ast.If) and _type_checking(node):
+                if everything:  # a type-only import ties the modules together as well
+                    visit(node.body, False)
                 visit(node.orelse, top)
                 continue
             if isinstance(node, ast.Import):
@@ -102,8 +108,7 @@ def imports(path: Path, name: str, everything: bool, known: set[str]) -> set[str
                             visit(h.body, top)
 
     visit(tree.body, True)
-    parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-    return found - parents
+    return found
 
 
 def graph(everything: bool) -> tuple[dict[str, set[str]], dict[str, int]]:

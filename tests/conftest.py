@@ -29,15 +29,15 @@ import pytest
 WORLDS = frozenset(
     {
         "test_examples.py",
-        "test_distributed_agent.py",
-        "test_distributed_collectives.py",
-        "test_distributed_context.py",
-        "test_distributed_elastic.py",
-        "test_distributed_fsdp.py",
-        "test_distributed_parallel.py",
-        "test_distributed_preemption.py",
-        "test_distributed_sharing.py",
-        "test_distributed_state.py",
+        "test_agent.py",
+        "test_collectives.py",
+        "test_context.py",
+        "test_elastic.py",
+        "test_fsdp.py",
+        "test_parallel.py",
+        "test_preemption.py",
+        "test_sharing.py",
+        "test_state.py",
         "test_hangwatch.py",
         "test_progress.py",
     }
@@ -128,7 +128,7 @@ def world_scope(nodeid: str, slow: frozenset[str]) -> str | None:
 
 def _slow_tests(folder: Path) -> frozenset[str]:
     """The tests marked ``slow`` in the source, in ``folder`` and the folders under it
-    (tests/cli/, tests/distributed/, ...): each test function a ``@pytest.mark.slow``
+    (tests/cli/, tests/launching/, ...): each test function a ``@pytest.mark.slow``
     decorates (whatever the decorators around it), and every one of a module whose
     ``pytestmark`` has it. Read from the syntax tree, never imported."""
     found = set()

@@ -256,7 +256,7 @@ def test_side_stream_through_torch_stream() -> None:
 
 def test_the_random_state_of_a_models_device_is_kept_through_its_module(tmp_path: Any) -> None:
     import anydevice as ad
-    from anydevice.distributed import randomness
+    from anydevice.checkpoints import randomness
 
     holder = torch.nn.Module()
     holder.register_buffer("x", ad.to(torch.ones(2), NAME))

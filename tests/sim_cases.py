@@ -576,7 +576,7 @@ def test_removed_save_states_wait_for_its_copy_to_the_host(
     copies land: a read no operator makes (torch.save), seen through the pinned memory's
     protected mapping."""
     import anydevice as ad
-    from anydevice.distributed import state
+    from anydevice.checkpoints import state
     from anydevice.testing import expect_races, set_bandwidth
 
     _remove(monkeypatch, state, "_to_host", '.to("cpu", copy=True)',

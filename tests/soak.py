@@ -27,7 +27,7 @@ runs: the final weights bit for bit, every step of every attempt with the refere
 step (ids and loss), and, over the steps that stood (the last attempt to run each), every
 sample id once per epoch.
 
-The tests run it small (``tests/distributed/test_soak.py``); ``benchmarks/bench_soak.py``
+The tests run it small (``tests/checkpoints/test_soak_resume.py``); ``benchmarks/soak_resume.py``
 runs it long and reports.
 """
 

@@ -90,13 +90,16 @@ def test_import_alone_imports_neither_torch_nor_our_modules():
 
 
 def test_public_names_are_never_hidden_by_modules_of_the_same_name():
-    # A launched worker imports anydevice.distributed.* before the user's ``ad.distributed()``.
+    # A launched worker imports anydevice.launching.* before the user's ``ad.distributed()``;
+    # no module directly under anydevice is named like a public name
+    # (tests/test_package_shape.py), so none can replace one.
     code = (
         "import anydevice.hardware.inventory, anydevice.measure.memory\n"
-        "import anydevice.numerics.precision\n"
-        "from anydevice.distributed.elastic import plan\n"
+        "import anydevice.numerics.precision, anydevice.checkpoints.state\n"
+        "import anydevice.launching.runner, anydevice.training.context\n"
+        "from anydevice.launching.elastic import plan\n"
         "import anydevice as ad, types\n"
-        "names = ('inventory', 'memory', 'precision', 'distributed')\n"
+        "names = ('inventory', 'memory', 'precision', 'distributed', 'launch', 'prepare')\n"
         "print(all(callable(getattr(ad, n)) and not isinstance(getattr(ad, n), "
         "types.ModuleType) for n in names))"
     )

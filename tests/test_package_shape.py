@@ -1,5 +1,6 @@
-"""The package's shape holds: no import circle (function-level imports included), every
-import goes down a layer, and each subpackage's ``__init__`` names every module it holds.
+"""The package's shape holds: no import circle (function-level and type-only imports, and
+imports from a module's own package, included), every import goes down a layer, and each
+subpackage's ``__init__`` names every module it holds.
 
 Read from the syntax tree by ``scripts/import_graph.py``, the tool that reports the same
 numbers to people."""
@@ -29,9 +30,27 @@ def graph():
     return module
 
 
-def test_no_import_circle_even_through_function_level_imports(graph) -> None:
+def test_no_import_circle_even_through_function_level_and_type_only_imports(graph) -> None:
     edges, _ = graph.graph(everything=True)
     assert graph.circles(edges) == []
+
+
+def test_type_only_imports_and_a_modules_own_package_are_counted(graph, tmp_path) -> None:
+    """A name imported for type checkers, or from the module's own package's ``__init__``,
+    ties the modules as much as any import: each is an edge of the graph."""
+    module = tmp_path / "measure.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from anydevice.doctor import resolve_devices\n"
+        "if TYPE_CHECKING:\n"
+        "    from anydevice.doctor.workloads import Plan\n"
+        "def f():\n"
+        "    from anydevice.doctor import budget\n"
+    )
+    known = {"anydevice.doctor", "anydevice.doctor.workloads", "anydevice.doctor.budget"}
+    name = "anydevice.doctor.measure"
+    assert graph.imports(module, name, True, known) == known
+    assert graph.imports(module, name, False, known) == {"anydevice.doctor"}
 
 
 def test_every_import_goes_down_a_layer(graph) -> None:
@@ -60,6 +79,28 @@ def test_each_concern_is_in_one_layer(graph) -> None:
     }
     placed = set().union(*graph.LAYERS)
     assert here - {"__init__"} <= placed, f"put {sorted(here - {'__init__'} - placed)} in LAYERS"
+
+
+def test_no_module_under_the_package_is_named_like_a_public_name() -> None:
+    """Python records an imported submodule as an attribute of its package: a subpackage
+    ``anydevice/distributed/`` would replace ``ad.distributed`` (the function) once
+    imported, so no module or subpackage directly under ``anydevice`` takes a public name
+    (and ``anydevice`` needs no module class of its own to guard them)."""
+    package = ROOT / "src" / "anydevice"
+    here = {p.stem for p in package.glob("*.py")} | {
+        p.parent.name for p in package.glob("*/__init__.py")
+    }
+    tree = ast.parse((package / "__init__.py").read_text())
+    sources = next(
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "_SOURCES"
+    )
+    assert isinstance(sources, ast.Dict)
+    public = {k.value for k in sources.keys if isinstance(k, ast.Constant)}
+    assert len(public) > 50
+    assert here & public == set()
+    assert "ModuleType" not in (package / "__init__.py").read_text()
 
 
 def test_each_subpackage_names_its_modules_in_its_docstring() -> None:

@@ -18,7 +18,6 @@ import torch
 
 import anydevice as ad
 from anydevice.hardware import backends
-from anydevice.hardware.backends import generic
 
 CASES = Path(__file__).with_name("privateuse1_cases.py")
 OPENREG = Path(__file__).with_name("openreg_cases.py")
@@ -62,7 +61,7 @@ def test_openreg_backend_in_a_child_process() -> None:
 
 
 def test_no_generic_accelerator_without_one() -> None:
-    assert generic.kinds() == ()
+    assert backends.generic_kinds() == ()
     assert backends.get("accelerator").probe().devices == ()
     with pytest.raises(KeyError, match="'npu'"):
         backends.get("npu")
@@ -84,4 +83,4 @@ def test_torch_free_probe_asks_nothing() -> None:
     ).stdout.split()
     assert out == ["True", "False"]
     assert backends.get("accelerator").probe_without_torch() is None  # torch is here: ask it
-    assert torch.accelerator.current_accelerator() is None or generic.kinds() == ()
+    assert torch.accelerator.current_accelerator() is None or backends.generic_kinds() == ()

@@ -15,7 +15,9 @@ out by concern, each layer importing only from those below it (``docs/design.md`
   :mod:`anydevice.extension` — custom C++/CUDA operators.
 * :mod:`anydevice.feeding` — batches onto the device; :mod:`anydevice.measure` — time,
   work, rates and memory.
-* :mod:`anydevice.distributed` — processes, machines, collectives, training state.
+* :mod:`anydevice.launching` — one process per device, on one machine or many;
+  :mod:`anydevice.checkpoints` — a training run's saved state, on any world size.
+* :mod:`anydevice.training` — inside each rank: the process group, prepare, collectives.
 * :mod:`anydevice.doctor` — the machine examined; :mod:`anydevice.testing` — a simulated
   accelerator for tests.
 * :mod:`anydevice.cli` — the ``anydevice`` command (``anydevice.__main__``).
@@ -31,26 +33,14 @@ checks that the two agree.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from anydevice._version import __version__
 
 if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
-    from anydevice.distributed import (
-        Distributed as Distributed,
-        all_gather as all_gather,
-        all_reduce as all_reduce,
-        broadcast as broadcast,
-        distributed as distributed,
-        gather_for_metrics as gather_for_metrics,
-        launch as launch,
+    from anydevice.checkpoints.state import (
         load_state as load_state,
-        prepare as prepare,
         save_state as save_state,
-        share as share,
-        unwrap as unwrap,
         wait_for_saves as wait_for_saves,
     )
     from anydevice.errors import (
@@ -89,6 +79,7 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         ProcessInfo as ProcessInfo,
     )
     from anydevice.hardware.inventory import Inventory as Inventory, inventory as inventory
+    from anydevice.hardware.peaks import Peak as Peak
     from anydevice.hardware.selection import (
         describe as describe,
         device as device,
@@ -98,6 +89,9 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         try_gpu as try_gpu,
     )
     from anydevice.hardware.spec import DeviceLike as DeviceLike
+    from anydevice.launching.elastic import (
+        launch as launch,
+    )
     from anydevice.measure.batch_size import (
         fit_batch_size as fit_batch_size,
     )
@@ -123,7 +117,6 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
         Measurement as Measurement,
     )
     from anydevice.measure.throughput import (
-        Peak as Peak,
         Throughput as Throughput,
         ThroughputStats as ThroughputStats,
     )
@@ -154,6 +147,23 @@ if TYPE_CHECKING:  # `X as X`: re-exported for type checkers (PEP 484)
     from anydevice.placement.move import (
         to as to,
     )
+    from anydevice.training.collectives import (
+        all_gather as all_gather,
+        all_reduce as all_reduce,
+        broadcast as broadcast,
+        gather_for_metrics as gather_for_metrics,
+    )
+    from anydevice.training.context import (
+        Distributed as Distributed,
+        distributed as distributed,
+    )
+    from anydevice.training.parallel import (
+        prepare as prepare,
+        unwrap as unwrap,
+    )
+    from anydevice.training.sharing import (
+        share as share,
+    )
 
 
 #: Public name -> the module that defines it, loaded on first use.
@@ -162,19 +172,19 @@ _SOURCES: dict[str, str] = {
     "load": "anydevice.placement.checkpoint",
     "load_extension": "anydevice.extension",
     "save": "anydevice.placement.checkpoint",
-    "Distributed": "anydevice.distributed",
-    "all_gather": "anydevice.distributed",
-    "all_reduce": "anydevice.distributed",
-    "broadcast": "anydevice.distributed",
-    "distributed": "anydevice.distributed",
-    "gather_for_metrics": "anydevice.distributed",
-    "launch": "anydevice.distributed",
-    "load_state": "anydevice.distributed",
-    "prepare": "anydevice.distributed",
-    "save_state": "anydevice.distributed",
-    "wait_for_saves": "anydevice.distributed",
-    "share": "anydevice.distributed",
-    "unwrap": "anydevice.distributed",
+    "Distributed": "anydevice.training.context",
+    "all_gather": "anydevice.training.collectives",
+    "all_reduce": "anydevice.training.collectives",
+    "broadcast": "anydevice.training.collectives",
+    "distributed": "anydevice.training.context",
+    "gather_for_metrics": "anydevice.training.collectives",
+    "launch": "anydevice.launching.elastic",
+    "load_state": "anydevice.checkpoints.state",
+    "prepare": "anydevice.training.parallel",
+    "save_state": "anydevice.checkpoints.state",
+    "wait_for_saves": "anydevice.checkpoints.state",
+    "share": "anydevice.training.sharing",
+    "unwrap": "anydevice.training.parallel",
     "AnydeviceError": "anydevice.errors",
     "ArgumentError": "anydevice.errors",
     "BatchSizeError": "anydevice.errors",
@@ -229,7 +239,7 @@ _SOURCES: dict[str, str] = {
     "FlopCount": "anydevice.measure.flops",
     "ModuleFlops": "anydevice.measure.flops",
     "flops": "anydevice.measure.flops",
-    "Peak": "anydevice.measure.throughput",
+    "Peak": "anydevice.hardware.peaks",
     "Throughput": "anydevice.measure.throughput",
     "ThroughputStats": "anydevice.measure.throughput",
     "Measurement": "anydevice.measure.samples",
@@ -272,7 +282,7 @@ def _load_device_finders() -> None:
     """
     from anydevice.hardware import backends
 
-    for kind in backends.KINDS:
+    for kind in backends.probe_order():
         backends.get(kind)
     import psutil  # noqa: F401
 
@@ -280,23 +290,3 @@ def _load_device_finders() -> None:
 def __dir__() -> list[str]:
     """The public names, loaded or not, and what is already here."""
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """``anydevice`` itself: a public name is never replaced by a submodule of that name.
-
-    ``ad.distributed`` is a function that shares its name with the package defining it
-    (the subpackages by concern avoid the other public names). Importing
-    ``anydevice.distributed`` (which our own code and a launched worker do) makes Python
-    record it as an attribute of this package, which would hide the function; here the
-    function stays, and the package is reached by a ``from`` import or by its full name
-    (``import anydevice.distributed.state as st``).
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _SOURCES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -18,6 +18,7 @@ built-in exception a caller would expect (``LookupError``, ``ValueError``,
     ├── MeasurementError (RuntimeError)     a timing or memory reading cannot be made as asked
     ├── BatchSizeError (RuntimeError)       fit_batch_size found no batch size that fits
     ├── ExtensionError (RuntimeError)       load_extension cannot build: what is missing, the fix
+    ├── WorkerImportError (RuntimeError)    spawned workers could not import what they are sent
     └── DistributedError (RuntimeError)     a process group cannot be formed or used
         ├── DistributedTimeoutError (TimeoutError)  peers did not join in time
         └── WorkerFailedError               a launched worker failed: rank, exit code, traceback

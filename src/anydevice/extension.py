@@ -335,11 +335,13 @@ def _cuda_plan(extra_cuda_cflags: Sequence[str]) -> tuple[list[str] | None, str]
     )
     if user_arch:
         return [], ""  # the user's choice; torch reads TORCH_CUDA_ARCH_LIST itself
+    from anydevice.hardware.backends.cuda import CudaBackend  # what nvcc builds for
     from anydevice.hardware.inventory import inventory
 
+    nvidia = CudaBackend.kind
     caps = [
         d.compute_capability
-        for d in inventory(telemetry=False, kinds=("cuda",)).of_kind("cuda")
+        for d in inventory(telemetry=False, kinds=(nvidia,)).of_kind(nvidia)
         if d.compute_capability is not None
     ]
     if not caps:

@@ -36,11 +36,11 @@ change (the job, the devices, where a collective was called)::
     136  Q    collective fingerprint (op, shapes, dtypes)  144 Q collectives done
     152  16s  collective op          168 16s  collective group
     184  d    watched (wall s, 0: no watcher): the last tick of the process's watcher
-              thread (:mod:`anydevice.distributed.progress`)
+              thread (:mod:`anydevice.launching.progress`)
     192 .. 255 (unused)
     256  I    text length           260 ..  JSON text (at most SIZE - 260 bytes)
 
-Keys of the JSON text that the collective watch (:mod:`anydevice.distributed.progress`)
+Keys of the JSON text that the collective watch (:mod:`anydevice.launching.progress`)
 writes, each present only while it means something:
 
 * ``groups``: ``{group name: {"ranks": [global ranks], "desc": str}}``, the process

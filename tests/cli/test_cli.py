@@ -176,7 +176,7 @@ def test_select_refuses_bad_arguments(bad):
 
 @pytest.mark.cuda
 def test_select_prints_the_freest_gpus_by_uuid_and_index():
-    from anydevice.hardware.choice import choose_free
+    from anydevice.hardware.freest import choose_free
     from anydevice.hardware.inventory import inventory_without_torch
 
     gpus = inventory_without_torch(kinds=("cuda",)).of_kind("cuda")

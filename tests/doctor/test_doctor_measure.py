@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from anydevice.doctor import examine
-from anydevice.doctor.measure import _choose, _emulated, measure, run_plan
+from anydevice.doctor.measure import _emulated, measure, run_plan
 from anydevice.doctor.results import Lever, Measured, Measurements
+from anydevice.doctor.targets import choose_devices
 from anydevice.doctor.workloads import PLANS, Plan, Run
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError
 from anydevice.hardware.inventory import Inventory, inventory
@@ -297,8 +298,8 @@ def test_unknown_plan_and_device_are_named():
 
 def test_one_gpu_of_each_model_by_default_every_gpu_with_full():
     inv = machine(gpu(0), gpu(1), gpu(2, "A100"))
-    assert [d.spec for d in _choose(inv, PLANS["default"])] == ["cuda:0", "cuda:2", "cpu"]
-    assert len(_choose(inv, PLANS["full"])) == 4
+    assert [d.spec for d in choose_devices(inv, PLANS["default"])] == ["cuda:0", "cuda:2", "cpu"]
+    assert len(choose_devices(inv, PLANS["full"])) == 4
 
 
 def test_devices_are_read_with_ad_devices_grammar():

@@ -115,7 +115,7 @@ FEEDS = [(0, False, False), (0, False, True), (2, False, True), (2, True, False)
 
 
 def _order_loader(kind: str, workers: int, persistent: bool, prefetch: bool, seed: int):
-    from anydevice.distributed.parallel import distributed_loader
+    from anydevice.training.parallel import distributed_loader
 
     data = TensorDataset(torch.arange(SAMPLES))
     kw = {"batch_size": 4, "num_workers": workers, "persistent_workers": persistent}
@@ -459,7 +459,7 @@ def test_a_resumed_pass_in_another_epoch_than_the_states_warns():
 
 
 def sharded_loader() -> ad.DeviceLoader:
-    from anydevice.distributed.parallel import distributed_loader
+    from anydevice.training.parallel import distributed_loader
 
     dl = DataLoader(TensorDataset(torch.arange(float(N))), batch_size=2, shuffle=True)
     return ad.DeviceLoader(distributed_loader(dl, 2, 1), "cpu")

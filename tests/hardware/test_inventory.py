@@ -97,6 +97,19 @@ def test_print_shows_the_tables_of_anydevice_info_and_notebooks_get_html():
     assert "a &lt;note&gt;" in page  # text is escaped
 
 
+def test_rich_prints_an_inventory_as_the_tables_print_shows():
+    import io
+
+    from rich.console import Console
+
+    inv = machine(gpu(0, free=3 * GiB), notes=("a note",))
+    out = io.StringIO()
+    Console(file=out, width=100, color_system=None).print(inv)
+    shown = out.getvalue()
+    assert "cuda:0" in shown and "3.0 GiB free" in shown and "note: a note" in shown
+    assert shown.index("host") < shown.index("cuda:0") < shown.index("note: a note")
+
+
 def test_inventory_helpers():
     inv = machine(gpu(0), gpu(1))
     assert [d.spec for d in inv.accelerators] == ["cuda:0", "cuda:1"]

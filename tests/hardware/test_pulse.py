@@ -110,7 +110,7 @@ def test_a_launched_worker_is_identified_by_ad_distributed(tmp_path):
     beat = run(
         """
         import anydevice as ad
-        from anydevice.distributed import context
+        from anydevice.training import context
         world = context.environment.detect()
         context._announce(world, ad.device("cpu"), "gloo")
         """,

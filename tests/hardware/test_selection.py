@@ -475,7 +475,7 @@ def test_anydevice_device_is_read_in_one_place():
     import ast
     from pathlib import Path
 
-    from anydevice.hardware.selection import DEVICE_VARIABLE, device_override
+    from anydevice.hardware.override import DEVICE_VARIABLE, device_override
 
     package = Path(ad.__file__).parent
     readers = []
@@ -490,7 +490,15 @@ def test_anydevice_device_is_read_in_one_place():
                 )
             ):
                 readers.append(f"{path.relative_to(package)}:{node.lineno}")
-    assert readers == [], f"read by name, not through selection.device_override: {readers}"
+    assert readers == [], f"read by name, not through override.device_override: {readers}"
+    # ... and "auto" becomes its spec by one rule (override.with_override), so no other module
+    # parses the variable's value itself.
+    elsewhere = sorted(
+        str(p.relative_to(package))
+        for p in package.rglob("*.py")
+        if "DEVICE_VARIABLE" in p.read_text() and p.name != "override.py"
+    )
+    assert elsewhere == [], f"the ANYDEVICE_DEVICE rule repeated in {elsewhere}"
     assert device_override({DEVICE_VARIABLE: "  cpu "}) == "cpu"
     assert device_override({DEVICE_VARIABLE: " "}) is None
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from anydevice.hardware import torchbuild
+from anydevice.hardware.backends import build_label
 
 
 def test_files_give_what_torch_itself_says():
@@ -16,17 +17,17 @@ def test_files_give_what_torch_itself_says():
         "b = torchbuild.read()\n"
         "assert 'torch' not in sys.modules\n"
         "import torch\n"
-        "print(json.dumps([b.version, torch.__version__, b.cuda, torch.version.cuda, b.hip,\n"
-        "    torch.version.hip, b.xpu, getattr(torch.version, 'xpu', None), b.imported]))\n"
+        "names = ('cuda', 'hip', 'xpu')\n"
+        "print(json.dumps([b.version, torch.__version__, b.imported,\n"
+        "    [b.toolkit(n) for n in names], [getattr(torch.version, n, None) for n in names],\n"
+        "    [list(t) for t in torchbuild.read().toolkits], [list(t) for t in b.toolkits]]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    version, torch_version, cuda, torch_cuda, hip, torch_hip, xpu, torch_xpu, imported = json.loads(
-        out.stdout
-    )
-    assert (version, cuda, hip, xpu) == (torch_version, torch_cuda, torch_hip, torch_xpu)
-    assert imported is False
+    version, torch_version, imported, toolkits, torchs, after, before = json.loads(out.stdout)
+    assert (version, toolkits) == (torch_version, torchs)
+    assert imported is False and before == after  # the files say what the module does
 
 
 def test_once_torch_is_imported_its_module_is_read():
@@ -34,7 +35,7 @@ def test_once_torch_is_imported_its_module_is_read():
 
     build = torchbuild.read()
     assert build is not None and build.imported
-    assert build.version == torch.__version__ and build.cuda == torch.version.cuda
+    assert build.version == torch.__version__ and build.toolkit("cuda") == torch.version.cuda
 
 
 def test_version_file_assignments_are_read_as_literals(tmp_path):
@@ -51,11 +52,22 @@ def test_version_file_assignments_are_read_as_literals(tmp_path):
     assert torchbuild._assignments(tmp_path / "missing.py") == {}
 
 
-def test_labels():
-    assert torchbuild.TorchBuild("2.11.0", cuda="13.0").label == "CUDA 13.0"
-    assert torchbuild.TorchBuild("2.11.0", hip="6.4").label == "ROCm 6.4"
-    assert torchbuild.TorchBuild("2.11.0", xpu="20250101").label == "XPU"
-    assert torchbuild.TorchBuild("2.11.0").label == "CPU"
+def test_toolkits_are_every_other_text_the_version_file_sets(tmp_path):
+    values = {"__version__": "2.11.0", "git_version": "abc", "debug": False, "cuda": "13.0"}
+    assert torchbuild._toolkits({**values, "hip": None, "xpu": "", "rocm": "7.0"}) == (
+        ("cuda", "13.0"),
+        ("rocm", "7.0"),
+    )
+
+
+def test_labels_are_the_kinds_toolkits():
+    def label(**toolkits: str) -> str:
+        return build_label(torchbuild.TorchBuild("2.11.0", tuple(toolkits.items())))
+
+    assert label(cuda="13.0") == "CUDA 13.0"
+    assert label(hip="6.4", rocm="6.4") == "ROCm 6.4"
+    assert label(xpu="20250101") == "XPU"
+    assert label() == "CPU"
 
 
 def test_installed_versions_and_device_extensions_come_from_dist_info(tmp_path, monkeypatch):

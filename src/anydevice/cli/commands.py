@@ -52,9 +52,7 @@ def _info(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    from anydevice.hardware.render import render_inventory
-
-    render_inventory(inv, Console())
+    Console().print(inv)
     return 0
 
 
@@ -110,7 +108,7 @@ def _select_args(p: argparse.ArgumentParser) -> None:
 
 def _select(args: argparse.Namespace) -> int:
     from anydevice.errors import AnydeviceError
-    from anydevice.hardware.choice import select_visible
+    from anydevice.hardware.freest import select_visible
 
     try:
         print(select_visible(args.n, args.min_free, args.max_util, args.format))
@@ -470,7 +468,7 @@ def _endpoint(text: str) -> str:
 
 
 #: Variables of a launcher (torchrun, srun, mpirun) that can say where the nodes meet, or
-#: make ``launch`` run the script in place (``anydevice.distributed.environment``).
+#: make ``launch`` run the script in place (``anydevice.launching.environment``).
 _LAUNCHER_VARS = (
     "TORCHELASTIC_RUN_ID",
     "RANK",
@@ -545,7 +543,7 @@ def _missing_module(name: str, path: list[str]) -> str | None:
 
 def _bad_device_variable() -> str | None:
     """What is wrong with ``ANYDEVICE_DEVICE`` here, found before any worker starts."""
-    from anydevice.hardware.choice import device_override  # torch-free: torch is not imported yet
+    from anydevice.hardware.override import device_override  # torch-free: torch is not imported yet
 
     if device_override() is None:
         return None
@@ -576,8 +574,9 @@ def _launch(args: argparse.Namespace) -> int:
 
     if not args.verbose:
         quiet_lookup_warnings()
-    from anydevice.distributed.elastic import launch_script
     from anydevice.errors import DistributedError, WorkerFailedError
+    from anydevice.launching.elastic import launch_script
+    from anydevice.launching.options import LaunchOptions
 
     def stop(signum: int, frame: object) -> None:  # before and after the agent's own
         raise SystemExit(128 + signum)
@@ -585,10 +584,7 @@ def _launch(args: argparse.Namespace) -> int:
     for s in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, stop)
     try:
-        return launch_script(
-            args.target,
-            args.args,
-            module=args.module,
+        options = LaunchOptions(
             nprocs=args.nprocs,
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -598,10 +594,11 @@ def _launch(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             grace=args.grace,
             hang_after=args.hang_after,
-            log_dir=args.log_dir,
             verbose=args.verbose,
             local_addr=args.local_addr,
+            log_dir=args.log_dir,
         )
+        return launch_script(args.target, args.args, options, module=args.module)
     except WorkerFailedError as e:
         print(f"anydevice launch: {e}", file=sys.stderr)
         return e.exitcode if e.exitcode > 0 else 128 - e.exitcode if e.exitcode < 0 else 1

@@ -100,8 +100,10 @@ def check_driver(inv: Inventory, env: Mapping[str, str]) -> Check:
 
 def check_visibility(inv: Inventory, env: Mapping[str, str]) -> Check:
     """CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER surprises: hidden GPUs, shifted indices."""
+    from anydevice.hardware.backends.cuda import CudaBackend  # nvidia-smi's numbering
+
     title = "GPU numbering (CUDA vs nvidia-smi)"
-    cuda = inv.of_kind("cuda")
+    cuda = inv.of_kind(CudaBackend.kind)
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if not inv.host.nvidia_gpus and not cuda:
         return Check("visibility", title, "skip", "no NVIDIA GPU.")
@@ -202,7 +204,7 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     """``ANYDEVICE_DEVICE`` overrides ``ad.device()``: a value that names nothing here breaks
     every script that asks for ``"auto"``."""
     from anydevice.errors import AnydeviceError
-    from anydevice.hardware.choice import DEVICE_VARIABLE, device_override
+    from anydevice.hardware.override import device_override, with_override
     from anydevice.hardware.selection import select
     from anydevice.hardware.spec import parse_spec
 
@@ -211,7 +213,7 @@ def check_device_env(inv: Inventory, env: Mapping[str, str]) -> Check:
     if value is None:
         return Check("device-env", title, "skip", "ANYDEVICE_DEVICE is not set.")
     try:
-        d = select(parse_spec(value, source=DEVICE_VARIABLE), inv, environ=env)
+        d = select(with_override(parse_spec("auto"), env), inv, environ=env)
     except AnydeviceError as e:
         here = ", ".join(d.spec for d in inv.devices)
         return Check(
@@ -299,8 +301,10 @@ def check_cores(inv: Inventory, env: Mapping[str, str]) -> Check:
 def check_mps_fallback(inv: Inventory, env: Mapping[str, str]) -> Check:
     """On a Mac, operators without an MPS kernel raise; the CPU fallback must be set before
     torch is imported."""
+    from anydevice.hardware.backends.mps import MpsBackend  # Apple's variable
+
     title = "MPS fallback for operators MPS lacks"
-    if not inv.of_kind("mps"):
+    if not inv.of_kind(MpsBackend.kind):
         return Check("mps-fallback", title, "skip", "no MPS device.")
     if env.get("PYTORCH_ENABLE_MPS_FALLBACK", "").strip() == "1":
         return Check(

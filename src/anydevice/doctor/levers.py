@@ -38,7 +38,7 @@ from anydevice.doctor.workloads import (
     train_call,
 )
 from anydevice.feeding.streams import stream_device
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import facts, runtime
 from anydevice.hardware.facts import DeviceInfo, format_bytes
 from anydevice.measure.clocks import clock_for
 from anydevice.numerics.matmul import strict_fp32
@@ -87,7 +87,8 @@ def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Deadline) ->
     backend = runtime(kind)
     largest = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
     title = "reduced-precision fp32 matmuls"
-    if backend.tf32 and info.tf32:
+    tf32 = facts(kind).tf32
+    if tf32 and info.tf32:
         how = "with ad.fast_matmul(): ... (TF32 matmuls and convolutions: ~1e-3 relative error)."
         fast = "tf32"
     elif backend.is_host and info.bf16:
@@ -96,7 +97,7 @@ def _fast_matmul_lever(info: DeviceInfo, kind: str, run: Run, slot: Deadline) ->
     else:
         cc = info.compute_capability
         note = (f"no TF32 on compute capability {cc[0]}.{cc[1]} (needs 8.0)"
-                if backend.tf32 and cc else
+                if tf32 and cc else
                 f"no TF32 or bf16 matmul units for fp32 math on {info.spec}")  # fmt: skip
         run.levers.append(Lever(info.spec, "fast-matmul", title, "", "", note=note))
         return

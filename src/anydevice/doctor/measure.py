@@ -36,6 +36,7 @@ from anydevice.doctor.results import (
     Measured,
     Measurements,
 )
+from anydevice.doctor.targets import choose_devices, resolve_devices
 from anydevice.doctor.workloads import (
     PLANS,
     Plan,
@@ -50,7 +51,8 @@ from anydevice.doctor.workloads import (
     reached,
     threads_set,
 )
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import facts, runtime
+from anydevice.hardware.backends.base import META
 from anydevice.hardware.facts import DeviceInfo, format_bytes
 from anydevice.hardware.inventory import Inventory
 from anydevice.hardware.peaks import gpu_peak, pcie_peak
@@ -98,9 +100,7 @@ def measure(
         raise ValueError(f"plan={plan!r}: use one of {', '.join(PLANS)}.")
     if budget is not None:
         p = dataclasses.replace(p, budget=budget)
-    from anydevice.doctor import resolve_devices
-
-    chosen = resolve_devices(inv, devices) if devices is not None else _choose(inv, p)
+    chosen = resolve_devices(inv, devices) if devices is not None else choose_devices(inv, p)
     return run_plan(inv, chosen, p, progress)
 
 
@@ -229,17 +229,6 @@ def _mark_noisy(run: Run, before: tuple[int, int]) -> None:
             run.levers[i] = dataclasses.replace(run.levers[i], noisy=True)
 
 
-def _choose(inv: Inventory, plan: Plan) -> list[DeviceInfo]:
-    chosen, models = [], set()
-    for d in inv.devices:
-        if d.is_accelerator and not plan.every_gpu:
-            if (d.kind, d.name) in models:
-                continue  # identical to one already measured
-            models.add((d.kind, d.name))
-        chosen.append(d)
-    return chosen
-
-
 def _steps(info: DeviceInfo, kind: str, run: Run) -> list[tuple[str, float, Step]]:
     backend = runtime(kind)
     n = run.plan.cpu_matmul if backend.is_host else run.plan.gpu_matmul
@@ -265,9 +254,10 @@ def _dtypes(info: DeviceInfo, kind: str) -> list[str]:
     if backend.is_host:
         return ["fp32", "bf16"]
     out = ["fp32"]
-    if backend.tf32 and info.tf32:
+    tf32 = facts(kind).tf32
+    if tf32 and info.tf32:
         out.append("tf32")
-    if info.bf16 or not backend.tf32:  # a GPU without TF32 units has no bf16 ones either
+    if info.bf16 or not tf32:  # a GPU without TF32 units has no bf16 ones either
         out.append("bf16")
     return [*out, "fp16"]
 
@@ -292,7 +282,7 @@ def _matmul(info: DeviceInfo, dtype: str, n: int, run: Run, slot: Deadline) -> N
             info.spec,
             f"matmul-{dtype}",
             f"matmul {dtype}"
-            + (" (TF32 off)" if dtype == "fp32" and runtime(info.kind).tf32 else ""),
+            + (" (TF32 off)" if dtype == "fp32" and facts(info.kind).tf32 else ""),
             2 * k**3 / seconds / 1e9,
             "GFLOP/s",
             peak * 1000 if peak else None,
@@ -410,7 +400,7 @@ def _mlp_step_flops(batch: int, width: int) -> float:
     """FLOPs of one MLP training step, counted on the meta device (nothing runs)."""
     from anydevice.measure.flops import flops
 
-    meta = torch.device("meta")
+    meta = torch.device(META.name)
     model = mlp(width, meta)
     x, y = torch.randn(batch, width, device=meta), torch.randn(batch, width, device=meta)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -570,8 +560,12 @@ def _emulated(inv: Inventory, run: Run) -> list[str]:
 
 
 def _release() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    """Give back the allocator caches of the accelerators a step used: the next step
+    starts from what the device has free, not from what the last one kept."""
+    from anydevice.measure.clocks import in_use
+
+    for device in in_use():
+        runtime(device.type).empty_cache(device)
 
 
 def _first_line(e: BaseException) -> str:

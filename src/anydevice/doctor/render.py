@@ -10,14 +10,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from anydevice.hardware.render import render_inventory
 from anydevice.measure.samples import format_time
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from anydevice.doctor import Report
-    from anydevice.doctor.results import DeviceSummary, Measurements
+    from anydevice.doctor.results import DeviceSummary, Measurements, Report
     from anydevice.doctor.workloads import Progress
 
 __all__ = ["measuring", "render_measurements", "render_report"]
@@ -46,7 +44,7 @@ def checks_table(report: Report) -> Table:
 
 
 def render_report(report: Report, console: Console) -> None:
-    render_inventory(report.inventory, console)
+    console.print(report.inventory)
     console.print(checks_table(report))
     counts = {s: sum(c.status == s for c in report.checks) for s in _STATUS_STYLE}
     verdict = "no check failed" if report.ok else f"{counts['fail']} check(s) failed"

@@ -1,4 +1,5 @@
-"""What ``anydevice doctor`` measured, as frozen data: numbers, levers, the table, advice.
+"""What ``anydevice doctor`` found and measured, as frozen data: the :class:`Report`, each
+check's verdict, the numbers, levers, the table, advice.
 
 A lever's verdict comes from interleaved A/B samples (:mod:`anydevice.doctor.budget`): it
 says "use" or "slower" only when the whole spread of the pairs' speed-ups lies on one side
@@ -14,13 +15,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from anydevice.doctor.load import Load
+    from anydevice.hardware.inventory import Inventory
 
 __all__ = [
+    "SCHEMA",
+    "Check",
     "DeviceSummary",
     "Interrupted",
     "Lever",
     "Measured",
     "Measurements",
+    "Report",
     "Verdict",
     "find",
 ]
@@ -263,3 +268,33 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+SCHEMA = "anydevice.doctor/1"  #: the JSON form's version (``Report.to_dict``)
+
+
+@dataclass(frozen=True)
+class Report:
+    """The doctor's findings: the inventory, each check's verdict, and the measurements."""
+
+    inventory: Inventory
+    checks: tuple[Check, ...] = field(default=())
+    measurements: Measurements | None = None  #: None when nothing was measured
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (warnings allowed)."""
+        return not any(c.status == "fail" for c in self.checks)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "ok": self.ok,
+            "checks": [c.to_dict() for c in self.checks],
+            "measurements": self.measurements.to_dict() if self.measurements else None,
+            "inventory": self.inventory.to_dict(),
+        }

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from anydevice.doctor.results import Check, Status
 from anydevice.extension import find_compiler, find_ninja, find_nvcc
+from anydevice.hardware.backends.cuda import CudaBackend
 from anydevice.hardware.inventory import Inventory
 
 __all__ = ["check_toolchain"]
@@ -28,7 +29,7 @@ def check_toolchain(inv: Inventory, env: Mapping[str, str]) -> Check:
     title = "build toolchain (compiler, ninja, nvcc)"
     compiler, ninja, nvcc = find_compiler(env), find_ninja(env), find_nvcc(env)
     torch_cuda = inv.host.cuda_runtime
-    gpus = len(inv.of_kind("cuda"))
+    gpus = len(inv.of_kind(CudaBackend.kind))  # what nvcc builds for
     found: list[str] = []
     problems: list[str] = []
     fixes: list[str] = []

@@ -30,7 +30,6 @@ stream, and a pass started inside a stream is read there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 
 from anydevice.feeding.streams import copy_stream, stream_device
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, keep_for
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import Backend, runtime
 from anydevice.hardware.backends.base import UNSUPPORTED
 
 __all__ = ["Copier", "copier_for"]
@@ -47,48 +46,50 @@ logger = logging.getLogger("anydevice")
 
 
 class Copier:
-    """One pass's copy stream, the stream it is ordered after, and an event pair per batch.
+    """One pass's copy stream, the stream it is ordered after, and an event pair per batch,
+    all through the device's backend (its streams, events and flags).
 
     Args:
+        backend: the backend of ``device``'s kind.
         device: the device copied to, with its index.
         stream: the copy stream (one per device for the process: :func:`copy_stream`).
-        home: the stream the consumer frees batches on; each copy waits for it first.
-        record: mark a batch handed out on another stream with ``record_stream`` (CUDA);
-            else that stream joins the homes every later copy waits for.
-        current: the stream current on the calling thread now (the consumer's).
-        enter: makes a stream current for a block.
-        times: event pairs that time each copy, or None where events cannot time.
-        event: an event that only orders (used when ``times`` is None).
-        set_device: makes ``device`` current on the calling thread (the pinning thread).
-        pins_surely: pinning is part of the backend (CUDA): a failure to pin is an error,
-            not a backend without pinned memory.
+
+    The home is the stream current when the copier is made (the consumer's). A batch
+    handed out on another stream is marked with ``record_stream`` where the backend has it
+    (CUDA, :attr:`Backend.records_streams`); else that stream joins the homes every later
+    copy waits for. Events time each copy where the device's events can time
+    (:meth:`Backend.event_timing`), else only order them. Pinning is part of a backend that
+    says so (:attr:`Backend.pins_surely`): a failure to pin is then an error, not a
+    backend without pinned memory.
     """
 
-    def __init__(
-        self,
-        device: torch.device,
-        stream: Any,
-        home: Any,
-        current: Callable[[], Any],
-        enter: Callable[[Any], AbstractContextManager[Any]],
-        times: CopyTimes | None,
-        event: Callable[[], Any],
-        set_device: Callable[[], None],
-        *,
-        record: bool = False,
-        pins_surely: bool = False,
-    ) -> None:
+    def __init__(self, backend: Backend, device: torch.device, stream: Any) -> None:
+        self.backend = backend
         self.device = device
         self.stream = stream
-        self.homes = [home]  #: few: the home, then each other stream a batch was read on
-        self.record = record
-        self.current = current
-        self.enter = enter
-        self.times = times
-        self._event = event
-        self.set_device = set_device
+        self.homes = [backend.current_stream(device)]  #: the home, then each other stream read on
+        #: Event pairs that time each copy, or None where events cannot time. Without reuse,
+        #: new events for every copy: a backend may read an event when the waiting stream
+        #: gets to the wait, not when it was issued; re-recording one could then deadlock.
+        self.times = (
+            CopyTimes(lambda: backend.new_event(device, timing=True), reuse=backend.reuses_events)
+            if backend.event_timing(device)
+            else None
+        )
         self._pins = True  #: host memory can be pinned for this device (until it fails)
-        self._pins_surely = pins_surely
+
+    def current(self) -> Any:
+        """The stream current on the calling thread now (the consumer's)."""
+        return self.backend.current_stream(self.device)
+
+    def enter(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` current for a block."""
+        return self.backend.use_stream(stream)
+
+    def set_device(self) -> None:
+        """Make the device current on the calling thread (the pinning thread's: else
+        pinning makes a context on device 0)."""
+        self.backend.set_device(self.device)
 
     @property
     def home(self) -> Any:
@@ -103,7 +104,7 @@ class Copier:
 
     def keep(self, batch: Any, consumer: Any) -> None:
         """Keep ``batch``'s memory for ``consumer``, a stream that is not the home."""
-        if self.record:
+        if self.backend.records_streams:
             keep_for(batch, consumer, self.device)
         elif all(consumer != h for h in self.homes):
             self.homes.append(consumer)
@@ -112,7 +113,7 @@ class Copier:
         """The events for the next copy: a timing pair, else a fresh ordering event."""
         if self.times is not None:
             return self.times.take()
-        return BatchEvents(None, self._event())
+        return BatchEvents(None, self.backend.new_event(self.device))
 
     def discard(self, slot: BatchEvents) -> None:
         """The copy for ``slot`` was never issued."""
@@ -126,7 +127,7 @@ class Copier:
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in pinned memory, or ``t`` itself where the backend cannot pin (said once)."""
-        if self._pins_surely:
+        if self.backend.pins_surely:
             return t.pin_memory()
         if not self._pins:
             return t
@@ -156,22 +157,4 @@ def copier_for(device: torch.device) -> Copier | None:
 
 def _copier(device: torch.device) -> Copier:
     """Through the backend's streams and events (``torch.Stream``/``torch.Event``)."""
-    backend = runtime(device.type)
-    stream = copy_stream(device)
-    return Copier(
-        device,
-        stream=stream,
-        home=backend.current_stream(device),
-        current=lambda: backend.current_stream(device),
-        enter=backend.use_stream,
-        # Without reuse, new events for every copy: a backend may read an event when the
-        # waiting stream gets to the wait, not when it was issued; re-recording one could
-        # then deadlock.
-        times=CopyTimes(lambda: backend.new_event(device, timing=True), reuse=backend.reuses_events)
-        if backend.event_timing(device)
-        else None,
-        event=lambda: backend.new_event(device),
-        set_device=lambda: backend.set_device(device),  # else pinning makes a context on 0
-        record=backend.records_streams,
-        pins_surely=backend.pins_surely,
-    )
+    return Copier(runtime(device.type), device, copy_stream(device))

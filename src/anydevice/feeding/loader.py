@@ -81,7 +81,7 @@ from anydevice.feeding.startmethod import check_loader_workers
 from anydevice.feeding.transfer import BatchEvents, CopyTimes, nbytes_off, pin_leaves
 from anydevice.feeding.waiting import Shares
 from anydevice.hardware import pulse
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import runtime, torch_private
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
 from anydevice.placement.move import to
@@ -648,7 +648,7 @@ class _Producer:
         source answers.
         """
         self.stop.set()
-        bounded = not _has_workers(self.source)
+        bounded = torch_private.loader_workers(self.source)[0] is None  # no workers
         deadline = time.monotonic() + timeout
         while self.thread.is_alive():
             while True:  # unblock a producer waiting to put
@@ -677,18 +677,14 @@ def _has_length(source: Iterable[Any]) -> bool:
     return True
 
 
-def _has_workers(source: Iterator[Any]) -> bool:
-    """Whether ``source`` is a DataLoader iterator with worker processes."""
-    return callable(getattr(source, "_shutdown_workers", None))
-
-
 def shut_down(source: Iterator[Any]) -> None:
     """End the worker processes of a DataLoader iterator now, unless they are persistent
     (kept for the next epoch by design); no-op for other sources. Only from the thread
     that iterates ``source``, never while another thread is inside its ``next()``."""
-    if _has_workers(source) and not getattr(source, "_persistent_workers", False):
+    end, persistent = torch_private.loader_workers(source)
+    if end is not None and not persistent:
         try:
-            source._shutdown_workers()  # type: ignore[attr-defined]
+            end()
         except Exception as e:  # a worker already gone: nothing more to end
             logger.debug("shutting down DataLoader workers: %s", e)
 

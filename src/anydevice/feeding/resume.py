@@ -55,6 +55,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 from anydevice.errors import ArgumentError
+from anydevice.hardware.backends import torch_private
 
 __all__ = [
     "LoaderState",
@@ -205,7 +206,7 @@ def order_between_passes(loader: Any) -> LoaderState:
     generator's state now; ``started`` where ``persistent_workers`` keep the iterator (the
     next pass draws no base seed before its order)."""
     generator = sampler_generator(loader)
-    kept = getattr(loader, "_iterator", None) is not None  # torch keeps it only when persistent
+    kept = torch_private.iterator_kept(loader)  # torch keeps it only when persistent
     return {
         "generator": None if generator is None else generator.get_state(),
         "seed": None,

@@ -5,26 +5,23 @@ from Python 3.14) re-imports what it is sent by module and name. A class or func
 defined in an interactive ``__main__`` — a notebook cell, the REPL, ``python -c`` — has no
 module to import it from: the worker dies on ``Can't get attribute 'DS' on <module
 '__main__'>`` and torch's DataLoader reports only that a worker "exited unexpectedly".
-:func:`check_loader_workers` (for ``DeviceLoader``) and :func:`check_launch` (for
-``ad.launch``) name such a definition, and what to do, before any worker starts.
+:func:`check_loader_workers` (for ``DeviceLoader``) names such a definition, and what to
+do, before any worker starts; :mod:`anydevice.launching.preflight` does the same for
+``ad.launch``.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 import sys
-import types
 from collections.abc import Iterable
 from typing import Any
 
 from anydevice.errors import WorkerImportError
 
 __all__ = [
-    "check_launch",
     "check_loader_workers",
     "interactive_main",
-    "main_references",
     "start_method_of",
     "unimportable",
 ]
@@ -100,61 +97,4 @@ def check_loader_workers(loader: Any) -> None:
             "'__main__'>\". Move the definition into a .py file next to the notebook and "
             "import it from there; or pass num_workers=0; or, on Linux before CUDA is "
             "used, multiprocessing_context='fork'."
-        )
-
-
-class _Discard:
-    """A file that keeps nothing: pickling into it only walks the object."""
-
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-class _MainFinder(pickle.Pickler):
-    """A pickler that notes each class and function of ``__main__`` it meets, however
-    deep (``persistent_id`` sees every object pickled)."""
-
-    def __init__(self) -> None:
-        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.found: dict[str, str] = {}
-
-    def persistent_id(self, obj: Any) -> None:
-        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
-            what = "class" if isinstance(obj, type) else "function"
-            self.found.setdefault(f"{what} {obj.__qualname__}", what)
-
-
-def main_references(obj: Any) -> list[str]:
-    """The classes and functions of an interactive ``__main__`` that ``obj`` is made of,
-    at any depth, as pickle sends them (``["function train", "class DS"]``); empty when
-    ``__main__`` is a file (a script's workers import it again as ``__mp_main__``).
-
-    Raises:
-        Exception: whatever pickling ``obj`` raises (a lambda, an open file, ...).
-    """
-    finder = _MainFinder()
-    finder.dump(obj)  # a lambda or a nested function fails here: not a question of modules
-    return list(finder.found) if interactive_main() else []
-
-
-def check_launch(fn: Any, args: tuple[Any, ...], start_method: str) -> None:
-    """Refuse an ``ad.launch`` whose workers could not import ``fn`` or what ``args`` are
-    made of (see the module docstring); nothing for forked workers.
-
-    Raises:
-        WorkerImportError: naming what is defined in the interactive ``__main__``, the
-            start method, and the ways out.
-        Exception: whatever pickling ``fn`` and ``args`` raises.
-    """
-    if start_method == "fork":
-        return
-    names = main_references((fn, args))
-    if names:
-        raise WorkerImportError(
-            f"ad.launch's workers start with {start_method!r} and cannot import "
-            f"{', '.join(names)}: defined in an interactive session (a notebook cell, the "
-            "REPL, python -c), it has no module to import it from, and each worker would "
-            "die with \"Can't get attribute ... on <module '__main__'>\". Move the "
-            "definition into a .py file next to the notebook and import it from there; or, "
-            "on Linux before CUDA is used in this process, pass start_method='fork'."
         )

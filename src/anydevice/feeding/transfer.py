@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from anydevice.hardware.backends.torch_private import coo_parts
 from anydevice.placement.mismatch import walk
 from anydevice.placement.move import _EMPTY, _Mover
 
@@ -185,7 +186,7 @@ def buffers_of(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if layout is torch.strided:
         return (t,)
     if layout is torch.sparse_coo:
-        return (t._indices(), t._values())
+        return coo_parts(t)
     if layout in (torch.sparse_csr, torch.sparse_bsr):
         return (t.crow_indices(), t.col_indices(), t.values())
     if layout in (torch.sparse_csc, torch.sparse_bsc):

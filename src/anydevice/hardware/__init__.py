@@ -4,15 +4,18 @@ and looking through it never initialises CUDA.
 Modules:
 
 * :mod:`~anydevice.hardware.backends`: one backend per device kind, the only place that
-  knows a kind: discovery (what devices, their facts) and the run-time interface every
-  other layer calls (streams, events, synchronisation, memory counters, the cache).
+  names a kind: each kind's facts (a :class:`~anydevice.hardware.backends.kind.Kind`
+  record: spec words, ``gpu``, collectives, precision, ...), discovery (what devices,
+  their facts) and the run-time interface every other layer calls (streams, events,
+  synchronisation, memory counters, the cache).
 * :mod:`~anydevice.hardware.facts`: the data of each part (:class:`~anydevice.DeviceInfo`,
   :class:`~anydevice.HostInfo`, :class:`~anydevice.ProcessInfo`), byte sizes.
 * :mod:`~anydevice.hardware.inventory`: :class:`~anydevice.Inventory` and
   ``ad.inventory()``, which gathers it from the backends.
 * :mod:`~anydevice.hardware.torchbuild`: which torch is installed and what it was built
   for, read from its files without importing it.
-* :mod:`~anydevice.hardware.choice`: ``ANYDEVICE_DEVICE`` and the freest-GPU rule, torch-free.
+* :mod:`~anydevice.hardware.override`: ``ANYDEVICE_DEVICE``, read in one place, torch-free.
+* :mod:`~anydevice.hardware.freest`: the freest-GPU rule and ``anydevice select``, torch-free.
 * :mod:`~anydevice.hardware.spec`: the device spec grammar, parsed without the hardware.
 * :mod:`~anydevice.hardware.selection`: the policies and the one resolver of a spec to a
   ``torch.device`` (``ad.device``, ``ad.devices``, ``ad.describe``, ``ad.try_gpu``).

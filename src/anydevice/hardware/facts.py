@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ACCELERATOR_KINDS",
     "DeviceInfo",
     "DeviceReading",
     "DeviceUse",
@@ -31,10 +30,6 @@ __all__ = [
     "format_bytes",
     "parse_size",
 ]
-
-
-#: Accelerator kinds in the order ``"auto"`` prefers them.
-ACCELERATOR_KINDS: tuple[str, ...] = ("cuda", "xla", "xpu", "mps")
 
 
 def format_bytes(n: float | None) -> str:

@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from anydevice.hardware.facts import (
-    ACCELERATOR_KINDS,
     DeviceInfo,
     HostInfo,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Inventory", "inventory", "inventory_without_torch"]
 
@@ -103,13 +99,24 @@ class Inventory:
 
         from rich.console import Console
 
-        from anydevice.hardware.render import render_inventory
-
         out = io.StringIO()
         width = min(shutil.get_terminal_size((100, 24)).columns, 120)
         console = Console(file=out, width=width, color_system=None, force_jupyter=False)
-        render_inventory(self, console)
+        console.print(self)
         return out.getvalue().rstrip("\n")
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
+        """The host's panel, each device's, then the notes: how ``console.print(inv)``
+        (rich) and ``anydevice info`` show an inventory."""
+        from rich.text import Text
+
+        from anydevice.hardware.render import device_table, host_panel
+
+        yield host_panel(self.host)
+        for d in self.devices:
+            yield device_table(d)
+        for note in self.notes:
+            yield Text(f"note: {note}", style="yellow")
 
     def _repr_html_(self) -> str:
         """The same tables as HTML, which notebooks show for an inventory."""
@@ -184,11 +191,11 @@ def _collect(
 ) -> Inventory:
     from anydevice.hardware import backends
 
-    order = (*ACCELERATOR_KINDS, "accelerator", "cpu")  # "accelerator": any other torch knows
+    order = backends.probe_order()  # the named accelerators, the generic one, the host
     wanted = tuple(kinds) if kinds is not None else order
     by_name = tuple(k for k in wanted if k not in order)  # device types by name ("npu")
-    if by_name and "accelerator" not in wanted:
-        wanted = (*wanted, "accelerator")
+    if by_name and backends.GENERIC not in wanted:
+        wanted = (*wanted, backends.GENERIC)
     host_fields: dict[str, Any] = {}
     devices: list[DeviceInfo] = []
     notes: list[str] = []
@@ -212,7 +219,9 @@ def _collect(
             probe = backend.probe(telemetry=live) if live or memory else backend.probe_static()
         host_fields.update(probe.host)
         if kind in wanted:
-            devices.extend(d for d in probe.devices if kind != "accelerator" or _asked(d, by_name))
+            devices.extend(
+                d for d in probe.devices if kind != backends.GENERIC or _asked(d, by_name)
+            )
         notes.extend(probe.notes)
     if imported_for:
         notes.append(f"torch was imported to look for {', '.join(imported_for)} devices.")

@@ -8,12 +8,67 @@ not listed here has no peak, and the doctor says so rather than guess.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
+from anydevice.hardware.backends.cuda import CudaBackend  # the table lists NVIDIA's GPUs
 from anydevice.hardware.facts import DeviceInfo
 
-__all__ = ["GpuPeak", "gpu_peak", "pcie_peak"]
+__all__ = ["GpuPeak", "Peak", "gpu_peak", "pcie_peak"]
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The best dense TFLOP/s of a device in one dtype, and where that number comes from.
+
+    >>> Peak(989.4, "bf16", "H100 SXM datasheet, dense bf16")
+    Peak(tflops=989.4, dtype='bf16', source='H100 SXM datasheet, dense bf16')
+    """
+
+    tflops: float
+    dtype: str  #: "fp32", "tf32", "bf16", "fp16", ...
+    source: str  #: the datasheet, or the matmul measured here
+
+    @property
+    def measured(self) -> bool:
+        """True when measured on this machine rather than read from a datasheet."""
+        return self.source.startswith("measured")
+
+    def share(self, tflops: float) -> tuple[float | None, str | None]:
+        """``tflops`` as a share of this peak (an MFU), or None and why it is not one.
+
+        A rate above the peak is no utilisation: the peak and the rate were not measured
+        alike, and the reason names the likely cause for where the peak came from.
+
+        >>> Peak(100.0, "bf16", "given").share(40.0)
+        (0.4, None)
+        >>> mfu, why = Peak(10.0, "fp32", "measured: fp32 matmul 2048^3 on cpu").share(14.1)
+        >>> mfu, why.split(":")[0]
+        (None, 'the rate is 1.41x the peak')
+        """
+        if not self.tflops > 0:
+            return None, f"the peak is {self.tflops} TFLOP/s, which no rate can be a share of"
+        ratio = tflops / self.tflops
+        if ratio <= 1.0 + 1e-9:  # a rate equal to the peak, up to rounding, is 100 %
+            return min(ratio, 1.0), None
+        rate = f"{ratio:.3g}x" if math.isfinite(ratio) else "infinitely many times"
+        head = f"the rate is {rate} the peak: {tflops:.4g} against {self.tflops:.4g} TFLOP/s"
+        if self.measured:
+            why = (
+                f"({self.source}). The peak was measured under other conditions than the "
+                "step (other processes busy, fewer threads, lower clocks): measure both on a "
+                "quiet machine, close in time"
+            )
+        elif self.source == "given":
+            why = "given: give the device's real peak in the dtype the step's math runs in"
+        else:
+            why = (
+                f"({self.source}). The math ran in a faster dtype than {self.dtype} (TF32 or "
+                "bf16 counted as fp32?), or the FLOPs were counted too high: pass the dtype "
+                "the step runs in, or count with ad.flops(step)"
+            )
+        return None, f"{head} {why}."
 
 
 @dataclass(frozen=True)
@@ -77,7 +132,7 @@ def gpu_peak(info: DeviceInfo) -> GpuPeak | None:
     >>> gpu_peak(DeviceInfo(kind="cpu", index=None, name="AMD EPYC")) is None
     True
     """
-    if info.kind != "cuda" or info.mig_parent:  # a MIG slice has a fraction of the GPU
+    if info.kind != CudaBackend.kind or info.mig_parent:  # a MIG slice has a fraction of one
         return None
     for row in _ROWS:
         if re.search(row[0], info.name, re.IGNORECASE):

@@ -1,21 +1,19 @@
-"""Rich tables of the hardware: the inventory (text, and HTML in a notebook). ``anydevice
-top``'s screen is :mod:`anydevice.hardware.topview`'s."""
+"""Rich tables of the hardware: the host and each device, as an inventory shows them
+(text, and HTML in a notebook: :class:`~anydevice.hardware.inventory.Inventory` lays them
+out). ``anydevice top``'s screen is :mod:`anydevice.hardware.topview`'s."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from anydevice.hardware.backends.cuda import CudaBackend
 from anydevice.hardware.facts import DeviceInfo, HostInfo, format_bytes
 
-if TYPE_CHECKING:
-    from anydevice.hardware.inventory import Inventory
-
-__all__ = ["device_table", "host_table", "render_inventory"]
+__all__ = ["device_table", "host_panel", "host_table"]
 
 
 def _unknown() -> Text:
@@ -71,7 +69,7 @@ def device_table(d: DeviceInfo) -> Panel:
     def row(label: str, value: Any) -> None:
         t.add_row(label, _unknown() if value is None else str(value))
 
-    if d.kind == "cuda":
+    if d.kind == CudaBackend.kind:  # nvidia-smi's rows
         smi = "?" if d.smi_index is None else str(d.smi_index)
         guess = " (CUDA's FASTEST_FIRST guess)" if d.index_guessed else ""
         row("index", f"{d.spec}; nvidia-smi GPU {smi}{guess}")
@@ -118,9 +116,6 @@ def _yes(value: bool | None) -> str:
     return "?" if value is None else ("yes" if value else "no")
 
 
-def render_inventory(inv: Inventory, console: Console) -> None:
-    console.print(Panel(host_table(inv.host), title="[bold]host[/]", title_align="left"))
-    for d in inv.devices:
-        console.print(device_table(d))
-    for note in inv.notes:
-        console.print(Text(f"note: {note}", style="yellow"))
+def host_panel(h: HostInfo) -> Panel:
+    """:func:`host_table` in its titled panel, as the inventory shows it."""
+    return Panel(host_table(h), title="[bold]host[/]", title_align="left")

@@ -2,10 +2,11 @@
 
 The grammar is :mod:`anydevice.hardware.spec`'s; what its words name here:
 
-* ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS, then any other torch knows),
-  else the CPU. Under a
+* ``auto``: the best accelerator (CUDA, then XLA, XPU, MPS, then any other torch knows: the
+  registry's order, :func:`anydevice.hardware.backends.auto_order`), else the CPU. Under a
   launcher (``LOCAL_RANK`` set) it is this rank's GPU. ``ANYDEVICE_DEVICE=<spec>`` overrides it.
-* ``gpu[:i]`` / an int: the i-th GPU of whatever kind this machine has (CUDA, XPU or MPS).
+* ``gpu[:i]`` / an int: the i-th GPU of whatever kind this machine has (CUDA, XPU or MPS:
+  the kinds whose facts say ``gpu``).
 * ``cuda:i`` uses CUDA's index, the one torch uses, which is not always nvidia-smi's.
   Without an index, ``cuda``, ``gpu`` and ``auto`` name torch's current device once CUDA
   is initialised (as ``x.to("cuda")`` does), the first device before that.
@@ -26,10 +27,12 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from anydevice.errors import DeviceNotFoundError, DeviceSpecError, VisibilityError
-from anydevice.hardware.choice import DEVICE_VARIABLE, device_override, free_key as _free_key
-from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, format_bytes, parse_size
+from anydevice.hardware import backends
+from anydevice.hardware.facts import DeviceInfo, format_bytes, parse_size
+from anydevice.hardware.freest import free_key as _free_key
 from anydevice.hardware.inventory import Inventory, inventory
-from anydevice.hardware.spec import NO_INDEX, DeviceLike, Spec, generic_kinds, parse_spec
+from anydevice.hardware.override import with_override
+from anydevice.hardware.spec import AUTO, FREE, GPU, DeviceLike, Spec, parse_spec, unindexed
 
 __all__ = [
     "current_indices",
@@ -46,14 +49,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("anydevice")
-
-
-_GPU_KINDS = ("cuda", "xpu", "mps")
-
-
-def _auto_kinds() -> tuple[str, ...]:
-    """Accelerator kinds in the order ``auto`` prefers them: the named, then the generic."""
-    return (*ACCELERATOR_KINDS, *generic_kinds())
 
 
 # ----------------------------------------------------------------------------- policies
@@ -87,15 +82,13 @@ def select(
     kind = spec.kind
     if kind == "cpu":
         return _check_memory(inv.cpu, need_memory, inv, spec)
-    if kind in NO_INDEX:  # meta: no data, nothing here to look up; its backend names it
-        from anydevice.hardware.backends import runtime
-
-        return DeviceInfo(kind=kind, index=None, name=runtime(kind).label)
-    if kind == "auto":
+    if unindexed(kind):  # meta: no data, nothing here to look up; its backend names it
+        return DeviceInfo(kind=kind, index=None, name=backends.runtime(kind).label)
+    if kind == AUTO:
         return _auto(inv, need_memory, env, spec, current or {})
-    if kind == "free":
+    if kind == FREE:
         return _freest(inv, need_memory, spec)
-    target = _gpu_kind(inv) if kind == "gpu" else kind
+    target = _gpu_kind(inv) if kind == GPU else kind
     candidates = inv.of_kind(target) if target else ()
     if not candidates:
         raise DeviceNotFoundError(_missing_kind_message(spec, inv))
@@ -113,17 +106,17 @@ def select_all(spec: Spec, inv: Inventory) -> list[DeviceInfo]:
     """Every device ``spec`` covers: ``cuda`` gives all CUDA devices; ``gpu`` all GPUs or
     the CPU when there is none; ``auto`` all devices of the best accelerator, else the CPU;
     ``free`` all GPUs, most free memory first."""
-    if spec.index is not None or spec.kind in NO_INDEX:
+    if spec.index is not None or unindexed(spec.kind):
         return [select(spec, inv)]
-    if spec.kind == "auto":
-        for kind in _auto_kinds():
+    if spec.kind == AUTO:
+        for kind in backends.auto_order():
             if inv.of_kind(kind):
                 return list(inv.of_kind(kind))
         return [inv.cpu]
-    if spec.kind == "gpu":
+    if spec.kind == GPU:
         gpus = _gpus(inv)
         return list(gpus) if gpus else [inv.cpu]
-    if spec.kind == "free":
+    if spec.kind == FREE:
         return sorted(_gpus(inv), key=_free_key) or [select(spec, inv)]
     found = inv.of_kind(spec.kind)
     if not found:
@@ -132,7 +125,7 @@ def select_all(spec: Spec, inv: Inventory) -> list[DeviceInfo]:
 
 
 def _gpu_kind(inv: Inventory) -> str | None:
-    for kind in _GPU_KINDS:
+    for kind in backends.gpu_kinds():
         if inv.of_kind(kind):
             return kind
     return None
@@ -158,7 +151,7 @@ def _auto(
     spec: Spec,
     current: Mapping[str, int],
 ) -> DeviceInfo:
-    for kind in _auto_kinds():
+    for kind in backends.auto_order():
         found = inv.of_kind(kind)
         if not found:
             continue
@@ -240,11 +233,9 @@ def _listing(inv: Inventory) -> str:
 
 
 def _missing_kind_message(spec: Spec, inv: Inventory) -> str:
-    from anydevice.hardware import backends
-
     origin = "" if spec.source == "argument" else f" (from {spec.source})"
-    if spec.kind in ("gpu", "free"):
-        reason = backends.get("cuda").unavailable_reason(inv.host)
+    if spec.kind in (GPU, FREE):
+        reason = _no_gpu_reason(inv)
         return (
             f"Requested {str(spec)!r}{origin}, but there is no GPU: {reason} "
             f"{_listing(inv)} Use 'auto' or ad.try_gpu() to fall back to the CPU."
@@ -258,9 +249,7 @@ def _index_message(
 ) -> str:
     kind = candidates[0].kind
     n = len(candidates)
-    from anydevice.hardware.backends import runtime
-
-    variable = runtime(kind).visibility_variable
+    variable = backends.runtime(kind).visibility_variable
     shown = env.get(variable) if variable else None
     where = f" ({variable}={shown!r})" if shown is not None else ""
     names = [d.spec for d in candidates]
@@ -288,12 +277,7 @@ def _memory_message(candidates: Sequence[DeviceInfo], need: int, spec: Spec) -> 
 
 
 def _resolve_auto(spec: DeviceLike) -> Spec:
-    parsed = parse_spec(spec)
-    if parsed.kind == "auto":
-        override = device_override()
-        if override:
-            parsed = parse_spec(override, source=DEVICE_VARIABLE)
-    return parsed
+    return with_override(parse_spec(spec))
 
 
 def current_indices() -> dict[str, int]:
@@ -306,23 +290,24 @@ def current_indices() -> dict[str, int]:
     >>> "cuda" in current_indices() or not torch.cuda.is_initialized()
     True
     """
+    from anydevice.hardware.backends.base import current_if_initialized
+
     found: dict[str, int] = {}
-    for kind in ("cuda", "xpu"):
-        module = getattr(torch, kind, None)
-        is_initialized = getattr(module, "is_initialized", None)
-        if module is not None and is_initialized is not None and is_initialized():
-            found[kind] = int(module.current_device())
+    for kind in backends.accelerators():
+        current = current_if_initialized(kind) if backends.facts(kind).indexed else None
+        if current is not None and current.index is not None:
+            found[kind] = current.index
     return found
 
 
 def _inventory_for(spec: Spec, *, telemetry: bool = False, memory: bool = True) -> Inventory:
     """The inventory a spec is resolved on; without ``memory`` (and ``telemetry``), NVIDIA
     GPUs come from facts read once per process, with no NVML session."""
-    if spec.kind == "auto":
-        kinds: tuple[str, ...] = (*ACCELERATOR_KINDS, "accelerator")
+    if spec.kind == AUTO:
+        kinds: tuple[str, ...] = (*backends.accelerators(), backends.GENERIC)
     else:
-        kinds = ACCELERATOR_KINDS if spec.kind in ("gpu", "free") else (spec.kind,)
-    return inventory(telemetry=telemetry, kinds=(*kinds, "cpu"), memory=memory)
+        kinds = backends.accelerators() if spec.kind in (GPU, FREE) else (spec.kind,)
+    return inventory(telemetry=telemetry, kinds=(*kinds, backends.host().name), memory=memory)
 
 
 def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> torch.device:
@@ -348,10 +333,10 @@ def device(spec: DeviceLike = "auto", need_memory: int | str | None = None) -> t
         need = None if need_memory is None else parse_size(need_memory)
     except (TypeError, DeviceSpecError) as e:
         raise type(e)(f"need_memory={need_memory!r}: {e}") from None
-    if need is None and parsed.kind in NO_INDEX:
+    if need is None and unindexed(parsed.kind):
         return torch.device(parsed.kind)  # nothing to look up
     # Free memory is read only for the policies that compare it.
-    inv = _inventory_for(parsed, memory=need is not None or parsed.kind == "free")
+    inv = _inventory_for(parsed, memory=need is not None or parsed.kind == FREE)
     return select(parsed, inv, need_memory=need, current=current_indices()).torch_device
 
 
@@ -371,7 +356,7 @@ def resolve(spec: DeviceLike) -> torch.device:
     device(type='meta')
     """
     if type(spec) is torch.device:
-        if spec.type in NO_INDEX:
+        if unindexed(spec.type):
             return spec
         if spec not in _CHECKED:
             _check_device(spec)
@@ -440,7 +425,7 @@ def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.devi
     """
     if isinstance(spec, str) and "," in spec:
         # "cuda:0,2" -> cuda:0, cuda:2: a bare index takes the kind written before it.
-        kind = "gpu"
+        kind = GPU
         items: list[DeviceLike] = []
         for part in (p.strip() for p in spec.split(",")):
             if part.isdigit():
@@ -453,9 +438,9 @@ def devices(spec: DeviceLike | Sequence[DeviceLike] = "auto") -> list[torch.devi
         found = [device(s) for s in spec]
         return list(dict.fromkeys(found))
     parsed = _resolve_auto(spec)  # type: ignore[arg-type]  # None and other non-specs: TypeError
-    if parsed.kind in NO_INDEX:
+    if unindexed(parsed.kind):
         return [torch.device(parsed.kind)]
-    inv = _inventory_for(parsed, memory=parsed.kind == "free")
+    inv = _inventory_for(parsed, memory=parsed.kind == FREE)
     return [d.torch_device for d in select_all(parsed, inv)]
 
 
@@ -472,8 +457,7 @@ def try_gpu(i: int = 0) -> torch.device:
         )
     if i < 0:
         raise DeviceSpecError(f"try_gpu({i}): GPU indices start at 0.")
-    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"), memory=False)
-    return try_gpu_in(inv, i).torch_device
+    return try_gpu_in(_gpu_inventory(), i).torch_device
 
 
 def try_gpu_in(inv: Inventory, i: int = 0) -> DeviceInfo:
@@ -491,7 +475,7 @@ def try_all_gpus() -> list[torch.device]:
     >>> try_all_gpus()[0].type in ("cpu", "cuda", "mps", "xpu")
     True
     """
-    inv = inventory(telemetry=False, kinds=(*_GPU_KINDS, "cpu"), memory=False)
+    inv = _gpu_inventory()
     gpus = _gpus(inv)
     if gpus:
         return [d.torch_device for d in gpus]
@@ -499,9 +483,20 @@ def try_all_gpus() -> list[torch.device]:
     return [torch.device("cpu")]
 
 
-def _log_fallback(call: str, inv: Inventory) -> None:
-    from anydevice.hardware import backends
+def _gpu_inventory() -> Inventory:
+    """The GPUs and the host, read from facts kept for the process (no telemetry, no NVML
+    session)."""
+    kinds = (*backends.gpu_kinds(), backends.host().name)
+    return inventory(telemetry=False, kinds=kinds, memory=False)
 
+
+def _no_gpu_reason(inv: Inventory) -> str:
+    """Why there is no GPU here, as the first kind ``"gpu"`` looks for explains it (CUDA's:
+    a CPU-only build beside NVIDIA GPUs, a hiding ``CUDA_VISIBLE_DEVICES``, ...)."""
+    return backends.get(backends.gpu_kinds()[0]).unavailable_reason(inv.host)
+
+
+def _log_fallback(call: str, inv: Inventory) -> None:
     gpus = _gpus(inv)
     if gpus:
         logger.warning(
@@ -516,7 +511,7 @@ def _log_fallback(call: str, inv: Inventory) -> None:
             "%s: using the CPU, although %d NVIDIA GPU(s) are in this machine: %s",
             call,
             inv.host.nvidia_gpus,
-            backends.get("cuda").unavailable_reason(inv.host),
+            _no_gpu_reason(inv),
         )
     else:
         logger.info("%s: no GPU on this machine; using the CPU.", call)
@@ -553,8 +548,9 @@ def restrict_visible(visible: str | int | DeviceInfo | Sequence[int | str | Devi
             "nothing. Call it before any CUDA call (torch.cuda.is_available() counts), or set "
             "the variable when launching: CUDA_VISIBLE_DEVICES=0,2 python train.py"
         )
-    inv = inventory(telemetry=False, kinds=("cuda", "cpu"), memory=False)
-    value = visible_value(wanted, inv.of_kind("cuda"), current)
+    nvidia = cuda.CudaBackend.kind  # the variable is CUDA's: the GPUs it hides are too
+    inv = inventory(telemetry=False, kinds=(nvidia, backends.host().name), memory=False)
+    value = visible_value(wanted, inv.of_kind(nvidia), current)
     os.environ["CUDA_VISIBLE_DEVICES"] = value
     logger.info("CUDA_VISIBLE_DEVICES=%s", value)
     return value

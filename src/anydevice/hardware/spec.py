@@ -2,10 +2,14 @@
 
 Grammar (case-insensitive)::
 
-    auto | cpu | gpu[:i] | cuda[:i] | mps | xpu[:i] | xla[:i] | tpu[:i] | free | int | torch.device
+    auto | gpu[:i] | free | int | torch.device
+    | <kind>[:i]   each device kind the registry knows, by its name or another word for it
+                   (cpu, cuda[:i], xla[:i], tpu[:i], xpu[:i], mps, meta: its backend's
+                   facts, :mod:`anydevice.hardware.backends`)
     | <name>[:i]   (any other accelerator torch knows: the privateuse1 backend's name, e.g. npu)
 
-What each names on this machine is :mod:`anydevice.hardware.selection`'s to say.
+``auto``, ``gpu`` and ``free`` are the grammar's own words; what each names on this machine
+is :mod:`anydevice.hardware.selection`'s to say.
 """
 
 from __future__ import annotations
@@ -17,33 +21,23 @@ from dataclasses import dataclass
 import torch
 
 from anydevice.errors import DeviceSpecError
+from anydevice.hardware import backends
 
-__all__ = ["NO_INDEX", "DeviceLike", "Spec", "generic_kinds", "parse_spec"]
-
-#: Device types that take no index: one host, and ``meta``.
-NO_INDEX = frozenset({"cpu", "meta"})
+__all__ = ["DeviceLike", "Spec", "generic_kinds", "parse_spec", "unindexed"]
 
 
 #: What every function that takes a device accepts.
 DeviceLike = torch.device | str | int
 
-
-_KINDS = ("auto", "cpu", "gpu", "cuda", "mps", "xpu", "xla", "free", "meta")
-
-
-#: "tpu" is torch_xla's device, unless torch has a backend of that name (a native TPU
-#: backend, which torch_xla's successor is planned to be: pytorch/xla#9684).
-_ALIASES = {"tpu": "xla"}
-
-
-_INDEXED = ("gpu", "cuda", "xpu", "xla", "mps")
+#: The grammar's own words, which name no kind: the best device, a GPU, the freest GPU.
+AUTO, GPU, FREE = "auto", "gpu", "free"
 
 
 @dataclass(frozen=True)
 class Spec:
     """A parsed device spec: ``Spec("cuda", 1)`` for ``"cuda:1"``."""
 
-    kind: str  #: auto, cpu, gpu, cuda, mps, xpu, xla, free, meta, or an accelerator's name
+    kind: str  #: auto, gpu, free, a device kind's name (cpu, cuda, ...), or an accelerator's
     index: int | None = None
     text: str = ""  #: as the caller wrote it, for messages
     source: str = "argument"  #: or "ANYDEVICE_DEVICE"
@@ -74,7 +68,7 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
     if isinstance(spec, int):
         if spec < 0:
             raise DeviceSpecError(f"GPU index {spec} is negative; indices start at 0.")
-        return Spec("gpu", spec, str(spec), source)
+        return Spec(GPU, spec, str(spec), source)
     text = spec.strip().lower()
     origin = "" if source == "argument" else f" (from {source})"
     if "," in text:
@@ -83,10 +77,10 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
             f"ad.devices({spec!r}) for a list, or ad.restrict_visible({spec!r}) to hide the rest."
         )
     if text.isdigit():
-        return Spec("gpu", int(text), spec, source)
+        return Spec(GPU, int(text), spec, source)
     kind, sep, index_text = text.partition(":")
-    if kind in _ALIASES and kind not in generic_kinds():  # a backend named "tpu" is itself
-        kind = _ALIASES[kind]
+    if kind not in generic_kinds():  # a backend named like another word ("tpu") is itself
+        kind = _kind_named(kind) or kind
     kind = _check_kind(kind, spec, source)
     if not sep:
         return Spec(kind, None, spec, source)
@@ -97,38 +91,74 @@ def parse_spec(spec: DeviceLike, *, source: str = "argument") -> Spec:
     index = int(index_text)
     if index < 0:
         raise DeviceSpecError(f"{spec!r}{origin}: device index {index} is negative; use {kind}:0.")
-    if kind == "cpu":
+    if kind == backends.host().name:
         if index != 0:
-            raise DeviceSpecError(f"{spec!r}{origin}: there is one CPU device; use 'cpu'.")
-        return Spec("cpu", None, spec, source)
-    if kind not in _INDEXED and kind not in generic_kinds():
+            raise DeviceSpecError(f"{spec!r}{origin}: there is one CPU device; use '{kind}'.")
+        return Spec(kind, None, spec, source)
+    if kind in (AUTO, FREE) or unindexed(kind):
         raise DeviceSpecError(f"{spec!r}{origin}: '{kind}' takes no index; use '{kind}'.")
     return Spec(kind, index, spec, source)
 
 
+def _kind_named(word: str) -> str | None:
+    """The registry's kind ``word`` names (its name, or another word for it), or None."""
+    for kind in backends.kinds():
+        if word == kind.name or word in kind.words:
+            return kind.name
+    return None
+
+
+def unindexed(kind: str) -> bool:
+    """Whether ``kind`` is a device type that takes no index, as its facts say: the host
+    (one CPU) and ``meta`` (no devices to number); ``torch.device(kind)`` is all of it.
+
+    >>> unindexed("cpu"), unindexed("cuda"), unindexed("auto")
+    (True, False, False)
+    """
+    return kind not in (AUTO, GPU, FREE) and not backends.facts(kind).indexed
+
+
 def _check_kind(kind: str, spec: object, source: str) -> str:
-    if kind in _KINDS:
+    if kind in (AUTO, GPU, FREE) or _kind_named(kind) == kind:
         return kind
     generic = generic_kinds()
     if kind in generic:
         return kind
-    close = difflib.get_close_matches(kind, [*_KINDS, "tpu", *generic], n=1)
+    spellings = _spellings(generic)
+    words = [w.partition("[")[0] for w in spellings if not w.startswith("<")]
+    close = difflib.get_close_matches(kind, words, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     origin = "" if source == "argument" else f" (from {source})"
-    registered = (
-        "".join(f"{g}[:i], " for g in generic)
-        if generic
-        else "<name>[:i] (the name an accelerator's backend registers with torch), "
-    )
-    tpu = "" if "tpu" in generic else "tpu[:i], "  # a backend named tpu is listed as such
     raise DeviceSpecError(
-        f"Unknown device {spec!r}{origin}.{hint} Use one of: auto, cpu, gpu[:i], cuda[:i], "
-        f"mps, xpu[:i], xla[:i], {tpu}{registered}free, meta, an int, or a torch.device."
+        f"Unknown device {spec!r}{origin}.{hint} Use one of: {', '.join(spellings)}, an int, "
+        "or a torch.device."
     )
+
+
+def _spellings(generic: tuple[str, ...]) -> list[str]:
+    """Every way to write a spec, as the error for an unknown one lists them: the grammar's
+    words, each kind and its other words (``tpu`` is listed where no backend of that name
+    is: such a backend is listed as itself), and the accelerators torch knows by name."""
+
+    def written(kind: backends.Kind) -> list[str]:
+        words = [w for w in (kind.name, *kind.words) if w == kind.name or w not in generic]
+        return [f"{w}[:i]" if kind.indexed else w for w in words]
+
+    named = backends.kinds()
+    return [
+        AUTO,
+        *(w for k in named if k.host for w in written(k)),
+        f"{GPU}[:i]",
+        *(w for k in named if k.probed and not k.host for w in written(k)),
+        *(
+            [f"{g}[:i]" for g in generic]
+            or ["<name>[:i] (the name an accelerator's backend registers with torch)"]
+        ),
+        FREE,
+        *(w for k in named if not k.probed for w in written(k)),
+    ]
 
 
 def generic_kinds() -> tuple[str, ...]:
     """Accelerator device types torch knows beyond the named kinds (``npu``, ...)."""
-    from anydevice.hardware.backends.generic import kinds
-
-    return kinds()
+    return backends.generic_kinds()

@@ -1,8 +1,9 @@
 """Which torch is installed, and what it was built for, read without importing it.
 
 ``import torch`` takes seconds; its version and build are plain text in ``torch/version.py``
-(``__version__``, ``cuda``, ``hip``, ``xpu``), and the libraries and device extensions
-installed beside it are named by their ``*.dist-info`` directories. The command line reads
+(``__version__``, and each toolkit it was built with: ``cuda``, ``hip``, ...), and the
+libraries and device extensions installed beside it are named by their ``*.dist-info``
+directories. The command line reads
 them from there, so ``anydevice info`` answers in a fraction of a second. Once torch is
 imported, its module is the authority and is read instead.
 
@@ -22,7 +23,7 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,28 +33,37 @@ __all__ = ["TorchBuild", "device_extensions", "library_version", "read"]
 
 @dataclass(frozen=True)
 class TorchBuild:
-    """torch's version and the toolkits it was built with (``None``: built without)."""
+    """torch's version and the toolkits it was built with.
+
+    >>> TorchBuild("2.13.0", (("cuda", "13.0"),)).toolkit("cuda")
+    '13.0'
+    """
 
     version: str
-    cuda: str | None = None  #: torch.version.cuda, e.g. "12.8"
-    hip: str | None = None  #: torch.version.hip (ROCm)
-    xpu: str | None = None  #: torch.version.xpu (Intel oneAPI)
+    #: The toolkits it was built with, as ``torch.version`` names them (``("cuda",
+    #: "12.8")``, ``("hip", ...)``, ``("xpu", ...)``); empty for a build for the CPU alone.
+    #: What each means is the device kinds' to say
+    #: (:func:`anydevice.hardware.backends.build_label`).
+    toolkits: tuple[tuple[str, str], ...] = ()
     imported: bool = False  #: read from the imported module rather than from its files
 
-    @property
-    def label(self) -> str:
-        """``"CUDA 12.8"``, ``"ROCm 6.2"``, ``"XPU"`` or ``"CPU"`` (MPS needs torch to tell).
+    def toolkit(self, name: str) -> str | None:
+        """The version of toolkit ``name`` this torch was built with, None if without."""
+        return dict(self.toolkits).get(name)
 
-        >>> TorchBuild("2.13.0", cuda="13.0").label
-        'CUDA 13.0'
-        """
-        if self.cuda:
-            return f"CUDA {self.cuda}"
-        if self.hip:
-            return f"ROCm {self.hip}"
-        if self.xpu:
-            return "XPU"
-        return "CPU"
+
+#: What ``torch/version.py`` sets besides the toolkits.
+_NOT_TOOLKITS = frozenset({"__version__", "git_version", "debug"})
+
+
+def _toolkits(values: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+    """The toolkits among ``torch.version``'s values: every other non-empty text."""
+    return tuple(
+        (name, value)
+        for name, value in values.items()
+        if name not in _NOT_TOOLKITS and not name.startswith("_") and isinstance(value, str)
+        if value
+    )
 
 
 def read() -> TorchBuild | None:
@@ -61,12 +71,9 @@ def read() -> TorchBuild | None:
     from ``torch/version.py`` parsed as text; ``None`` when torch is not installed."""
     module = sys.modules.get("torch")
     if module is not None and hasattr(module, "version"):
-        v = module.version
         return TorchBuild(
             version=str(module.__version__),
-            cuda=getattr(v, "cuda", None),
-            hip=getattr(v, "hip", None),
-            xpu=getattr(v, "xpu", None),
+            toolkits=_toolkits(vars(module.version)),
             imported=True,
         )
     spec = importlib.util.find_spec("torch")  # finds the package without importing it
@@ -78,12 +85,7 @@ def read() -> TorchBuild | None:
         version = library_version("torch", parts=None)
         if version is None:
             return None
-    return TorchBuild(
-        version=version,
-        cuda=_text(values.get("cuda")),
-        hip=_text(values.get("hip")),
-        xpu=_text(values.get("xpu")),
-    )
+    return TorchBuild(version=version, toolkits=_toolkits(values))
 
 
 def _assignments(path: Path) -> dict[str, Any]:
@@ -106,10 +108,6 @@ def _assignments(path: Path) -> dict[str, Any]:
             except ValueError:
                 continue  # computed at import time: not readable as text
     return out
-
-
-def _text(value: object) -> str | None:
-    return value if isinstance(value, str) and value else None
 
 
 def library_version(*distributions: str, parts: int | None = 3) -> str | None:

@@ -247,11 +247,9 @@ def _agreement() -> Callable[[int], int]:
 
     if not (dist.is_available() and dist.is_initialized()):
         return lambda status: status
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "nccl" not in backend:
-        where = torch.device("cpu")
-    else:
-        where = torch.device("cuda", torch.cuda.current_device())
+    from anydevice.hardware.backends import collective_device
+
+    where = collective_device()  # the group's own device: NCCL reduces device tensors only
 
     def agree(status: int) -> int:
         t = torch.tensor([status], dtype=torch.int64, device=where)

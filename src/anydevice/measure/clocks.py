@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from anydevice.hardware.backends import KINDS, get as get_backend, runtime
+from anydevice.hardware.backends import get as get_backend, probe_order, runtime
 
 __all__ = [
     "FALLBACK_FLUSH_BYTES",
@@ -58,7 +58,7 @@ def in_use() -> list[torch.device]:
     device; others: the current device once initialised). Asking initialises nothing.
     """
     found: list[torch.device] = []
-    for kind in KINDS:
+    for kind in probe_order():
         found += get_backend(kind).in_use()
     return found
 

@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import facts
+from anydevice.hardware.backends.base import META
+from anydevice.hardware.backends.torch_private import TorchDispatchMode, overload_packet
 
 __all__ = ["FlopCount", "ModuleFlops", "flops"]
 
@@ -250,7 +251,7 @@ def flops(fn: Callable[..., object], *args: Any, meta: bool = False, **kwargs: A
         by_op=dict(sorted(recorder.by_op.items(), key=lambda kv: -kv[1])),
         by_dtype=dict(sorted(recorder.by_dtype.items(), key=lambda kv: -kv[1])),
         unsupported=tuple(sorted(recorder.unsupported)),
-        device="meta" if meta else recorder.device,
+        device=META.name if meta else recorder.device,
         notes=notes,
     )
 
@@ -329,7 +330,7 @@ class _Recorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = getattr(func, "_overloadpacket", None)
+        packet = overload_packet(func)
         formula = self.counter.flop_registry.get(packet)
         if formula is None:
             name = str(getattr(func, "name", lambda: func)())
@@ -353,7 +354,7 @@ class _Recorder(TorchDispatchMode):
 
     def _dtype(self, op: str, tensor: torch.Tensor) -> str:
         dtype = tensor.dtype
-        if dtype == torch.float32 and runtime(tensor.device.type).tf32 and _tf32(op):
+        if dtype == torch.float32 and facts(tensor.device.type).tf32 and _tf32(op):
             return "tf32"
         if dtype.is_floating_point and dtype.itemsize == 1:
             return "fp8"
@@ -408,7 +409,7 @@ def _to_meta(tree: Any) -> Any:
     for tensor in _all_tensors(tree):
         if id(tensor) in memo:
             continue
-        twin = torch.empty_like(tensor, device="meta")
+        twin = torch.empty_like(tensor, device=META.name)
         if isinstance(tensor, torch.nn.Parameter):
             twin = torch.nn.Parameter(twin, requires_grad=tensor.requires_grad)
         else:

@@ -40,10 +40,9 @@ def _backend(device: torch.device) -> Backend:
     try:
         return get(device.type)
     except KeyError:
-        from anydevice.hardware.backends import KINDS
-        from anydevice.hardware.backends.generic import kinds
+        from anydevice.hardware.backends import auto_order, host
 
-        known = ", ".join(k for k in (*KINDS, *kinds()) if k != "accelerator")
+        known = ", ".join((*auto_order(), host().name))
         raise MeasurementError(
             f"cannot read memory on {device}: torch knows no {device.type!r} accelerator in "
             f"this process (memory is read on {known})."

@@ -4,9 +4,10 @@ Batches copied to a GPU asynchronously come from pinned host memory (``DeviceLoa
 pins them, as ``DataLoader(pin_memory=True)`` does). torch keeps freed pinned blocks in a
 cache for reuse, so the pinned memory of a process only grows until that cache is emptied;
 the host's RAM it holds cannot be swapped out. :func:`read_pinned` reads the host
-allocator's counters (``torch.cuda.host_memory_stats``), :func:`release_pinned` empties its
-cache (``torch.accelerator.empty_host_cache``). Both need a process that has used CUDA:
-before that, no pinned memory exists and nothing is read (no CUDA context is created).
+allocator's counters (``torch.cuda.host_memory_stats``, through the accelerator's backend),
+:func:`release_pinned` empties its cache (``torch.accelerator.empty_host_cache``). Both need
+a process that has used its accelerator: before that, no pinned memory exists and nothing is
+read (no CUDA context is created).
 
 >>> read_pinned() is None or read_pinned().held >= 0
 True
@@ -14,10 +15,13 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from anydevice.hardware.backends import runtime
 from anydevice.hardware.backends.torch_private import host_empty_cache
 
 __all__ = ["Pinned", "read_pinned", "release_pinned"]
@@ -32,16 +36,19 @@ class Pinned:
     peak: int | None  #: most ``held`` so far
 
 
-def _in_use() -> bool:
-    """Whether this process could hold pinned memory: CUDA initialised (no context made)."""
-    return torch.cuda.is_initialized() and hasattr(torch.cuda, "host_memory_stats")
+def _host_stats() -> Mapping[str, Any] | None:
+    """The host allocator's counters, as the backend of torch's accelerator reads them
+    (``torch.cuda.host_memory_stats``); None before that accelerator is in use (no
+    pinned memory can exist yet, and no context is made to ask)."""
+    accelerator = torch.accelerator.current_accelerator()
+    return None if accelerator is None else runtime(accelerator.type).host_memory_stats()
 
 
 def read_pinned() -> Pinned | None:
     """The host allocator's pinned bytes, or None where torch keeps no such counters here."""
-    if not _in_use():
+    stats = _host_stats()
+    if stats is None:
         return None
-    stats = torch.cuda.host_memory_stats()
     if "reserved_bytes.current" in stats:  # older torch: reserved = held, allocated = in use
         held, active, peak = "reserved_bytes", "allocated_bytes", "reserved_bytes"
     else:  # torch 2.13: allocated = held (active + cached), active = in use

@@ -28,6 +28,7 @@ from anydevice.errors import MeasurementError
 from anydevice.hardware.spec import DeviceLike
 
 if TYPE_CHECKING:
+    from anydevice.hardware.backends import Backend
     from anydevice.measure.idle import IdleTime
 
 __all__ = ["Profile", "Sync", "SyncReport", "find_syncs", "nvtx_range", "profile"]
@@ -205,12 +206,14 @@ def _activities(device: DeviceLike | None) -> tuple[list[Any], str | None]:
     """The accelerator activity to record for ``device`` (none for the CPU or MPS)."""
     from torch.profiler import ProfilerActivity
 
+    from anydevice.hardware import backends
     from anydevice.hardware.selection import device as select_device
 
     if device is None:
         return [], None
     kind = select_device(device).type
-    activity = {"cuda": ProfilerActivity.CUDA, "xpu": ProfilerActivity.XPU}.get(kind)
+    name = backends.facts(kind).profiler
+    activity = None if name is None else getattr(ProfilerActivity, name, None)
     if activity is None:
         return [], None
     if activity not in torch.profiler.supported_activities():
@@ -321,12 +324,13 @@ def find_syncs(fn: Callable[..., T], *args: Any, **kwargs: Any) -> SyncReport:
     Returns:
         A :class:`SyncReport`; ``value`` is what ``fn`` returned.
     """
-    reason = _not_applicable()
-    if reason is not None:
-        return SyncReport(False, reason, (), fn(*args, **kwargs))
+    from anydevice.hardware.backends.base import current_if_initialized
+
+    watcher = _sync_watcher()
+    if isinstance(watcher, str):
+        return SyncReport(False, watcher, (), fn(*args, **kwargs))
     found: list[Sync] = []
     calls = _CallStack()
-    previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
         warnings.filterwarnings("always", message=_SYNC_TEXT, category=UserWarning)
         show = warnings.showwarning
@@ -339,30 +343,26 @@ def find_syncs(fn: Callable[..., T], *args: Any, **kwargs: Any) -> SyncReport:
                 show(message, category, filename, lineno, file, line)
 
         warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with calls:
-                value = fn(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    where = f"cuda:{torch.cuda.current_device()}"
+        with watcher.sync_debug(), calls:
+            value = fn(*args, **kwargs)
+    where = current_if_initialized(watcher.kind) or watcher.kind
     return SyncReport(True, f"watched {where}", tuple(found), value)
 
 
-def _not_applicable() -> str | None:
-    from anydevice.hardware.backends.cuda import cuda_built
+def _sync_watcher() -> Backend | str:
+    """The backend whose sync debug mode watches this process (the first kind, in
+    ``"auto"``'s order, whose facts say it has one: CUDA), or why none can."""
+    from anydevice.hardware import backends
 
-    if not cuda_built():
-        return (
-            f"this torch ({torch.__version__}) is a CPU-only build; finding implicit "
-            "synchronisations takes CUDA's sync debug mode, so a CUDA build of torch and an "
-            "NVIDIA GPU"
-        )
-    if getattr(torch.version, "hip", None):
-        return "no CUDA: torch's sync debug mode is not supported on ROCm"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible to this process, so there is nothing to synchronise"
-    return None
+    reasons = []
+    for kind in backends.accelerators():
+        if backends.facts(kind).sync_debug:
+            backend = backends.get(kind)
+            reason = backend.sync_debug_unavailable()
+            if reason is None:
+                return backend
+            reasons.append(reason)
+    return reasons[0] if reasons else "no device kind torch knows here has a sync debug mode"
 
 
 class _CallStack(torch.overrides.TorchFunctionMode):
@@ -398,10 +398,12 @@ def _library_test() -> Callable[[str], bool]:
     """
     import sysconfig
 
-    import anydevice
-
     paths = sysconfig.get_paths()
-    ours = tuple(os.path.join(os.path.dirname(m.__file__ or ""), "") for m in (torch, anydevice))
+    anydevice_folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = (
+        os.path.join(os.path.dirname(torch.__file__ or ""), ""),
+        os.path.join(anydevice_folder, ""),
+    )
     std = tuple(os.path.join(paths[k], "") for k in ("stdlib", "platstdlib"))
     packages = tuple(os.path.join(paths[k], "") for k in ("purelib", "platlib"))
 
@@ -462,19 +464,20 @@ class nvtx_range(contextlib.ContextDecorator):
     """
 
     def __init__(self, name: str) -> None:
-        from anydevice.hardware.backends.cuda import cuda_built
+        from anydevice.hardware.backends.cuda import nvtx  # NVTX is NVIDIA's
 
         self.name = name
-        self.active = cuda_built() and hasattr(torch._C, "_nvtx")  #: NVTX is in this torch
+        self._nvtx = nvtx()
+        self.active = self._nvtx is not None  #: NVTX is in this torch
 
     def __enter__(self) -> nvtx_range:
-        if self.active:
-            torch.cuda.nvtx.range_push(self.name)
+        if self._nvtx is not None:
+            self._nvtx.range_push(self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.active:
-            torch.cuda.nvtx.range_pop()
+        if self._nvtx is not None:
+            self._nvtx.range_pop()
 
     def __repr__(self) -> str:
         return (

@@ -21,7 +21,7 @@ import torch
 from anydevice.measure.clocks import clock_for, flusher, synchronize
 
 if TYPE_CHECKING:
-    from anydevice.measure.throughput import Peak
+    from anydevice.hardware.peaks import Peak
 
 __all__ = ["Calibration", "Measurement", "autorange", "format_time", "sample"]
 

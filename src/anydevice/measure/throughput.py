@@ -41,7 +41,8 @@ import torch
 
 from anydevice.errors import MeasurementError
 from anydevice.hardware import pulse
-from anydevice.hardware.backends import runtime
+from anydevice.hardware.backends import autocast_kinds, collective_device, facts, runtime
+from anydevice.hardware.peaks import Peak
 from anydevice.hardware.selection import resolve
 from anydevice.hardware.spec import DeviceLike
 from anydevice.measure.clocks import active_device
@@ -55,8 +56,8 @@ __all__ = ["Peak", "Throughput", "ThroughputStats", "dtype_name", "peak_tflops",
 #: A measured peak grows the matmul until one call lasts this long (larger sizes only
 #: approach the same rate) ...
 _MEASURE_CALL_S = 0.05
-#: ... or reaches this size (the CPU's, and an accelerator's).
-_MEASURE_MAX_N = {"cpu": 4096}
+#: ... or reaches this size (the host's, and an accelerator's).
+_MEASURE_MAX_N_HOST = 4096
 _MEASURE_MAX_N_ACCELERATOR = 8192
 #: The dtype names peaks are kept under (dtype_name's).
 _DTYPE_NAMES = ("fp32", "tf32", "bf16", "fp16", "fp8", "fp64")
@@ -69,59 +70,6 @@ _DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Peak:
-    """The best dense TFLOP/s of a device in one dtype, and where that number comes from.
-
-    >>> Peak(989.4, "bf16", "H100 SXM datasheet, dense bf16")
-    Peak(tflops=989.4, dtype='bf16', source='H100 SXM datasheet, dense bf16')
-    """
-
-    tflops: float
-    dtype: str  #: "fp32", "tf32", "bf16", "fp16", ...
-    source: str  #: the datasheet, or the matmul measured here
-
-    @property
-    def measured(self) -> bool:
-        """True when measured on this machine rather than read from a datasheet."""
-        return self.source.startswith("measured")
-
-    def share(self, tflops: float) -> tuple[float | None, str | None]:
-        """``tflops`` as a share of this peak (an MFU), or None and why it is not one.
-
-        A rate above the peak is no utilisation: the peak and the rate were not measured
-        alike, and the reason names the likely cause for where the peak came from.
-
-        >>> Peak(100.0, "bf16", "given").share(40.0)
-        (0.4, None)
-        >>> mfu, why = Peak(10.0, "fp32", "measured: fp32 matmul 2048^3 on cpu").share(14.1)
-        >>> mfu, why.split(":")[0]
-        (None, 'the rate is 1.41x the peak')
-        """
-        if not self.tflops > 0:
-            return None, f"the peak is {self.tflops} TFLOP/s, which no rate can be a share of"
-        ratio = tflops / self.tflops
-        if ratio <= 1.0 + 1e-9:  # a rate equal to the peak, up to rounding, is 100 %
-            return min(ratio, 1.0), None
-        rate = f"{ratio:.3g}x" if math.isfinite(ratio) else "infinitely many times"
-        head = f"the rate is {rate} the peak: {tflops:.4g} against {self.tflops:.4g} TFLOP/s"
-        if self.measured:
-            why = (
-                f"({self.source}). The peak was measured under other conditions than the "
-                "step (other processes busy, fewer threads, lower clocks): measure both on a "
-                "quiet machine, close in time"
-            )
-        elif self.source == "given":
-            why = "given: give the device's real peak in the dtype the step's math runs in"
-        else:
-            why = (
-                f"({self.source}). The math ran in a faster dtype than {self.dtype} (TF32 or "
-                "bf16 counted as fp32?), or the FLOPs were counted too high: pass the dtype "
-                "the step runs in, or count with ad.flops(step)"
-            )
-        return None, f"{head} {why}."
-
-
 def dtype_name(dtype: torch.dtype, device: DeviceLike = "cpu", *, tf32: bool = False) -> str:
     """The peak table's name of a dtype: ``"fp32"``, ``"tf32"`` (fp32 on CUDA with TF32
     allowed), ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp64"``.
@@ -131,7 +79,7 @@ def dtype_name(dtype: torch.dtype, device: DeviceLike = "cpu", *, tf32: bool = F
     """
     kind = resolve(device).type if not isinstance(device, torch.device) else device.type
     if dtype == torch.float32:
-        return "tf32" if tf32 and runtime(kind).tf32 else "fp32"
+        return "tf32" if tf32 and facts(kind).tf32 else "fp32"
     if dtype.is_floating_point and dtype.itemsize == 1:
         return "fp8"
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -166,7 +114,7 @@ def peak_tflops(device: DeviceLike | None, dtype: str) -> Peak | None:
             if value is None:
                 return None  # a listed GPU without this dtype in its datasheet: no guess
             return Peak(value, dtype, f"{table.model} datasheet, dense {dtype}")
-    if dtype not in _DTYPES or (dtype == "tf32" and not backend.tf32):
+    if dtype not in _DTYPES or (dtype == "tf32" and not facts(dev.type).tf32):
         return None
     # The CPU's rate follows torch's thread count: a peak measured with other threads than
     # the step would make a wrong MFU, so each count has its own.
@@ -187,7 +135,7 @@ def _measured_peak(device: str, dtype: str, threads: int) -> tuple[float, int]:
     from anydevice.measure.samples import sample
 
     dev = torch.device(device)
-    cap = _MEASURE_MAX_N.get(dev.type, _MEASURE_MAX_N_ACCELERATOR)
+    cap = _MEASURE_MAX_N_HOST if runtime(dev.type).is_host else _MEASURE_MAX_N_ACCELERATOR
     best, best_n, n = 0.0, 0, 256
     while n <= cap:
         a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
@@ -215,7 +163,7 @@ def _math_for(dev: torch.device, dtype: str) -> contextlib.AbstractContextManage
     if dtype not in ("fp32", "tf32"):
         return contextlib.nullcontext()
     now = MathSettings.capture()
-    governs = runtime(dev.type).math_backend  # cuBLAS's, oneDNN's
+    governs = facts(dev.type).math  # cuBLAS's, oneDNN's
     if governs is not None:
         current = now.precision("matmul", governs)
     else:  # other backends read the legacy setting
@@ -254,18 +202,14 @@ def _dtype_in_use(dev: torch.device, args: tuple[Any, ...]) -> str:
         if first is not None:
             dtype = first.dtype
             break
-    tf32 = runtime(dev.type).tf32 and MathSettings.capture().precision("matmul") == "tf32"
+    tf32 = facts(dev.type).tf32 and MathSettings.capture().precision("matmul") == "tf32"
     return dtype_name(dtype, dev, tf32=tf32)
-
-
-#: Device types with an autocast torch reports on.
-_AUTOCAST_KINDS = ("cuda", "cpu", "xpu", "mps")
 
 
 def _autocast_dtype(dev: torch.device) -> str | None:
     """The dtype autocast computes in on ``dev``'s type now, None where it is off."""
     kind = dev.type
-    if kind not in _AUTOCAST_KINDS or not torch.is_autocast_enabled(kind):
+    if not facts(kind).autocast or not torch.is_autocast_enabled(kind):
         return None
     return dtype_name(torch.get_autocast_dtype(kind), dev)
 
@@ -426,7 +370,7 @@ class Throughput:
         # Autocast dtypes seen, per device type: where the meter was built, and at steps.
         self._autocast: dict[str, set[str]] = {}
         self._kind: str | None = ""  # "": the device is not known yet
-        for kind in _AUTOCAST_KINDS:
+        for kind in autocast_kinds():
             if self._device is None or self._device.type == kind:
                 self._see_autocast(torch.device(kind))
         self._peak_arg = peak
@@ -456,7 +400,7 @@ class Throughput:
         ``torch.device.type`` costs as much as the rest of a step on the CPU."""
         if self._kind == "":
             kind = self._resolve().type
-            self._kind = kind if kind in _AUTOCAST_KINDS else None
+            self._kind = kind if facts(kind).autocast else None
         return self._kind
 
     def _event_class(self) -> Any:
@@ -600,9 +544,7 @@ def _across_ranks(values: list[float], seconds: float) -> tuple[list[float], int
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return values, 1, seconds
-    on = torch.device("cpu")
-    if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
-        on = torch.device("cuda", torch.cuda.current_device())
+    on = collective_device()  # NCCL reduces device tensors only
     sums = torch.tensor(values, dtype=torch.float64, device=on)
     longest = torch.tensor([seconds], dtype=torch.float64, device=on)
     dist.all_reduce(sums)

@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from anydevice.errors import PrecisionError
+from anydevice.hardware import backends
 from anydevice.hardware.backends.torch_private import (
     cudnn_allow_tf32,
     fp32_precision,
@@ -38,12 +39,16 @@ __all__ = ["MathSettings", "fast_matmul", "strict_fp32"]
 
 Node = tuple[str, str]  #: (backend, op) in torch's fp32_precision tree
 _GENERIC: Node = ("generic", "all")
-_PARENTS: tuple[Node, ...] = (("cuda", "all"), ("mkldnn", "all"))
-_LEAVES: tuple[Node, ...] = tuple(
-    (b, op) for b in ("cuda", "mkldnn") for op in ("matmul", "conv", "rnn")
-)
-_CUDNN: tuple[Node, ...] = (("cuda", "conv"), ("cuda", "rnn"))
-_MATMUL: tuple[Node, ...] = (("cuda", "matmul"), ("mkldnn", "matmul"))
+#: The tree's backends, as the device kinds declare them (``Kind.math``): cuBLAS and cuDNN's
+#: (``"cuda"``), oneDNN's (``"mkldnn"``).
+_BACKENDS: tuple[str, ...] = tuple(k.math for k in backends.kinds() if k.math)
+#: The backend of the kind whose fp32 math may run as TF32: the legacy cuDNN flag writes its
+#: conv and RNN nodes, and :meth:`MathSettings.precision` answers for it unless asked.
+_TF32: str = next(k.math for k in backends.kinds() if k.tf32 and k.math)
+_PARENTS: tuple[Node, ...] = tuple((b, "all") for b in _BACKENDS)
+_LEAVES: tuple[Node, ...] = tuple((b, op) for b in _BACKENDS for op in ("matmul", "conv", "rnn"))
+_CUDNN: tuple[Node, ...] = ((_TF32, "conv"), (_TF32, "rnn"))
+_MATMUL: tuple[Node, ...] = tuple((b, "matmul") for b in _BACKENDS)
 #: How torch starts cuDNN conv and RNN: they inherit, and are "tf32" when nothing above is
 #: set. No setter can put this state back, so it is never written, only left alone.
 DEFAULT = "default"
@@ -124,7 +129,7 @@ def _legacy_cudnn(tree: dict[Node, str]) -> bool:
     """The legacy cuDNN flag. Its getter answers only when cuDNN conv and RNN agree with
     it: with both at "tf32" it answers True, or refuses when the flag is False. They are
     made "tf32" through their parent where they inherit, so DEFAULT is never written."""
-    touched = [("cuda", "all"), *(n for n in _CUDNN if tree[n] not in ("none", DEFAULT))]
+    touched = [(_TF32, "all"), *(n for n in _CUDNN if tree[n] not in ("none", DEFAULT))]
     try:
         for node in touched:
             _put(node, "tf32")
@@ -179,22 +184,24 @@ class MathSettings:
             matmul = None
         return cls(matmul, cudnn.pop() if len(cudnn) == 1 else None, tree)
 
-    def precision(self, op: str = "matmul", backend: str = "cuda") -> str:
+    def precision(self, op: str = "matmul", backend: str | None = None) -> str:
         """What fp32 ``op`` (``"matmul"``, ``"conv"``, ``"rnn"``) runs in on ``backend``
-        (``"cuda"``: cuBLAS and cuDNN; ``"mkldnn"``: oneDNN on CPUs): ``"tf32"``,
-        ``"bf16"`` or ``"ieee"`` (full fp32).
+        (``"cuda"``, the default: cuBLAS and cuDNN; ``"mkldnn"``: oneDNN on CPUs):
+        ``"tf32"``, ``"bf16"`` or ``"ieee"`` (full fp32).
 
         Raises:
             ValueError: ``op`` or ``backend`` names no leaf of torch's tree.
         """
+        backend = _TF32 if backend is None else backend
         if (backend, op) not in _LEAVES:
+            names = ", ".join(repr(b) for b in _BACKENDS)
             raise ValueError(
                 f"precision(op={op!r}, backend={backend!r}): op is one of 'matmul', 'conv', "
-                "'rnn' and backend one of 'cuda', 'mkldnn'."
+                f"'rnn' and backend one of {names}."
             )
         if self.tree:
             value = dict(self.tree)[(backend, op)]
-        elif backend == "mkldnn":
+        elif backend != _TF32:
             value = "bf16" if op == "matmul" and self.matmul_precision == "medium" else "ieee"
         elif op == "matmul":
             value = "ieee" if self.matmul_precision == "highest" else "tf32"
@@ -265,7 +272,7 @@ class _Saved:
         tree = dict(self.tree)
         for leaf in _CUDNN:
             if _get(leaf) != "tf32":
-                _put(("cuda", "all") if tree[leaf] == DEFAULT else leaf, "tf32")
+                _put((_TF32, "all") if tree[leaf] == DEFAULT else leaf, "tf32")
 
 
 @contextlib.contextmanager

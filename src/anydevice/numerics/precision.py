@@ -16,7 +16,11 @@ other CPUs                             fp32        bf16 would be emulated, slowe
 MPS                                    fp16        Apple GPUs compute fp16 natively
 XPU with native bf16                   bf16        (else fp16 with gradient scaling)
 XLA (TPU)                              bf16        (other XLA devices: fp32)
+any other device                       fp32        (bf16 and fp16 refused)
 =====================================  ==========  ==============================================
+
+Each row is the kind's policy, declared with its backend (``Kind.precision`` in
+``hardware/backends/<kind>.py``).
 
 bf16 on CUDA is chosen by compute capability, never by ``torch.cuda.is_bf16_supported()``,
 which also counts emulation. A forced mode that the device would only emulate on an
@@ -32,15 +36,15 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch.optim import Optimizer
 
 from anydevice.errors import PrecisionError, StepOrderError
-from anydevice.hardware import pulse
+from anydevice.hardware import backends, pulse
+from anydevice.hardware.backends.kind import PrecisionPolicy, who
 from anydevice.hardware.facts import DeviceInfo
 from anydevice.hardware.selection import describe
 from anydevice.hardware.spec import DeviceLike
@@ -69,130 +73,15 @@ _ENV = "ANYDEVICE_PRECISION"
 
 
 # ----------------------------------------------------------------------------- policy
+# Each kind's policy is its backend's (``Kind.precision``, beside the backend in
+# ``hardware/backends/<kind>.py``); a kind without one runs fp32 only.
 
 
-@dataclass(frozen=True)
-class _Policy:
-    """What one device does: the ``auto`` mode and why, modes it refuses, caveats of others."""
-
-    auto: Mode
-    why: str
-    refused: Mapping[str, str] = field(default_factory=dict)  #: mode -> why not, what to do
-    caveats: Mapping[str, str] = field(default_factory=dict)  #: mode -> note when forced
-
-
-def _who(info: DeviceInfo) -> str:
-    return f"{info.spec} ({info.name})"
-
-
-def _cuda_policy(info: DeviceInfo) -> _Policy:
-    who = _who(info)
-    cc = info.compute_capability
-    if cc is None:
-        if info.bf16:
-            return _Policy("bf16", f"{who} has native bf16 (compute capability unknown)")
-        return _Policy(
-            "fp32",
-            f"{who}: compute capability unknown, so fp32; force 'bf16' (compute capability "
-            ">= 8.0) or 'fp16' (>= 7.0) if the GPU has them",
-        )
-    ccs = f"{cc[0]}.{cc[1]}"
-    refused: dict[str, str] = {}
-    caveats: dict[str, str] = {}
-    # The flag can only veto: ROCm's backend reports bf16=False, since AMD's architecture
-    # numbers say nothing about bf16. Forcing bf16 there stays allowed.
-    native_bf16 = cc >= (8, 0) and info.bf16 is not False
-    if cc < (8, 0):
-        refused["bf16"] = (
-            f"bf16 needs compute capability 8.0 or later (Ampere, Ada, Hopper, Blackwell) and "
-            f"{who} has {ccs}: it would be emulated, slower than fp32. Use mode='fp16' "
-            "(gradient scaling is automatic) or 'auto'."
-        )
-    elif not native_bf16:
-        caveats["bf16"] = "the backend does not report native bf16 for this GPU"
-    if cc < (5, 3):
-        refused["fp16"] = (
-            f"{who} (compute capability {ccs}) has no fp16 arithmetic; it starts at 5.3. "
-            "Use mode='fp32' or 'auto'."
-        )
-    elif cc < (7, 0):
-        caveats["fp16"] = "no Tensor Cores: fp16 saves memory here but is rarely faster"
-    if native_bf16:
-        why = (
-            f"{who} has compute capability {ccs} >= 8.0: native bf16 Tensor Cores; bf16 keeps "
-            "fp32's range, so no gradient scaling"
-        )
-        return _Policy("bf16", why, refused, caveats)
-    if cc >= (7, 0):
-        why = (
-            f"{who} has compute capability {ccs}: fp16 Tensor Cores but no native bf16 (8.0+); "
-            "fp16 with dynamic gradient scaling"
-        )
-        return _Policy("fp16", why, refused, caveats)
-    why = f"{who} has compute capability {ccs}: no Tensor Cores (they start at 7.0), so fp32"
-    return _Policy("fp32", why, refused, caveats)
-
-
-def _cpu_policy(info: DeviceInfo) -> _Policy:
-    who = _who(info)
-    fp16 = "fp16 on a CPU is for checking fp16 code paths (scaling, skipped steps), not speed"
-    if info.bf16:
-        why = (
-            f"{who} has native bf16 (AVX512-BF16, AMX or Arm BF16): autocast runs matmuls and "
-            "convolutions in bf16, no gradient scaling"
-        )
-        return _Policy("bf16", why, caveats={"fp16": fp16})
-    known = "has no" if info.bf16 is False else "may lack (unknown)"
-    why = f"{who} {known} native bf16 (AVX512-BF16, AMX or Arm BF16), so fp32"
-    bf16 = "emulated on this CPU, slower than fp32: useful to check bf16 numerics"
-    return _Policy("fp32", why, caveats={"bf16": bf16, "fp16": fp16})
-
-
-def _mps_policy(info: DeviceInfo) -> _Policy:
-    refused = {}
-    if not info.bf16:
-        refused["bf16"] = "bf16 on MPS needs macOS 14 (Sonoma) or later. Use 'fp16' or 'auto'."
-    why = (
-        f"{_who(info)}: Apple GPUs compute fp16 natively (torch's default autocast dtype on "
-        "MPS); fp16 with dynamic gradient scaling"
-    )
-    return _Policy("fp16", why, refused)
-
-
-def _xpu_policy(info: DeviceInfo) -> _Policy:
-    who = _who(info)
-    if info.bf16:
-        return _Policy("bf16", f"{who} has native bf16 (Intel XMX); no gradient scaling")
-    refused = {}
-    if info.bf16 is False:
-        refused["bf16"] = f"torch reports no native bf16 on {who}. Use 'fp16' or 'auto'."
-    return _Policy("fp16", f"{who}: no native bf16 known; fp16 with gradient scaling", refused)
-
-
-def _xla_policy(info: DeviceInfo) -> _Policy:
-    refused = {
-        "fp16": "torch.amp's gradient scaling does not run on XLA devices, and TPUs compute "
-        "in bf16. Use 'bf16' or 'auto'."
-    }
-    if info.bf16:
-        return _Policy("bf16", f"{_who(info)}: TPUs compute in bf16 natively", refused)
-    if info.bf16 is False:
-        refused["bf16"] = f"{_who(info)} has no native bf16. Use 'fp32' or 'auto'."
-    return _Policy("fp32", f"{_who(info)}: native bf16 not known, so fp32", refused)
-
-
-def _fp32_policy(info: DeviceInfo) -> _Policy:
+def _fp32_policy(info: DeviceInfo) -> PrecisionPolicy:
     no = f"{info.kind!r} devices run fp32 only here. Use 'fp32' or 'auto'."
-    return _Policy("fp32", f"{info.spec}: fp32 (no mixed precision)", {"bf16": no, "fp16": no})
-
-
-_POLICIES: dict[str, Callable[[DeviceInfo], _Policy]] = {
-    "cuda": _cuda_policy,
-    "cpu": _cpu_policy,
-    "mps": _mps_policy,
-    "xpu": _xpu_policy,
-    "xla": _xla_policy,
-}
+    return PrecisionPolicy(
+        "fp32", f"{info.spec}: fp32 (no mixed precision)", {"bf16": no, "fp16": no}
+    )
 
 
 def _parse_mode(mode: ModeLike, origin: str = "") -> str:
@@ -217,12 +106,12 @@ def _decide(info: DeviceInfo, mode: ModeLike, env: Mapping[str, str]) -> tuple[s
     if requested == "auto" and env.get(_ENV, "").strip():
         origin = f" (from {_ENV})"
         requested = _parse_mode(env[_ENV], origin)
-    policy = _POLICIES.get(info.kind, _fp32_policy)(info)
+    policy = (backends.facts(info.kind).precision or _fp32_policy)(info)
     if requested == "auto":
         return requested, policy.auto, policy.why
     if requested in policy.refused:
         raise PrecisionError(
-            f"mode={requested!r}{origin} cannot run natively on {_who(info)}: "
+            f"mode={requested!r}{origin} cannot run natively on {who(info)}: "
             f"{policy.refused[requested]}"
         )
     chosen: Mode = "bf16" if requested == "bf16" else "fp16" if requested == "fp16" else "fp32"
@@ -230,7 +119,7 @@ def _decide(info: DeviceInfo, mode: ModeLike, env: Mapping[str, str]) -> tuple[s
         return requested, chosen, f"requested{origin}, and auto agrees: {policy.why}"
     caveat = policy.caveats.get(chosen)
     why = f"requested{origin}" + (f"; {caveat}" if caveat else "")
-    return requested, chosen, f"{why} (auto would choose {policy.auto} on {_who(info)})"
+    return requested, chosen, f"{why} (auto would choose {policy.auto} on {who(info)})"
 
 
 # ----------------------------------------------------------------------------- Precision

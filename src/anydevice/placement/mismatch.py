@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from anydevice.errors import DeviceMismatchError, NoTensorError
+from anydevice.hardware import backends
 from anydevice.hardware.backends import runtime
 from anydevice.placement.move import ATOMIC
 
@@ -100,11 +101,13 @@ def is_device_mismatch(exc: BaseException) -> bool:
 
 
 def _device_word(type_name: str) -> str:
+    """The device kind a legacy tensor type name names (``torch.cuda.FloatTensor``: cuda),
+    the host's where it names none (``torch.FloatTensor``)."""
     low = type_name.lower()
-    for word in ("cuda", "hip", "mps", "xpu", "xla", "meta"):
-        if word in low:
-            return word
-    return "cpu"
+    for kind in (*(k.name for k in backends.kinds()), *backends.generic_kinds()):
+        if kind in low:
+            return kind
+    return backends.host().name
 
 
 # ----------------------------------------------------------------------------- where

@@ -231,9 +231,8 @@ def start(lib: Any, device_type: str, *, simulated: bool, mode: str) -> None:
         return
     import torch
 
-    import anydevice
-
-    _ignored[:] = [_folder(torch.__file__), _folder(anydevice.__file__)]
+    anydevice_folder = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _ignored[:] = [_folder(torch.__file__), _folder_of(anydevice_folder)]
     _stdlib[:] = sorted({_folder_of(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")})
     lib.start_races(device_type, simulated, 2, _ignored, _stdlib, _deliver)
     _lib = lib

@@ -8,12 +8,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from anydevice.hardware.backends.kind import Kind
 from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Backend", "Counters", "Probe", "device_module"]
+__all__ = ["META", "Backend", "Counters", "Probe", "device_module"]
 
 
 @dataclass(frozen=True)
@@ -50,22 +51,26 @@ class Backend(ABC):
     ``torch.Event``), which covers CUDA, XPU and privateuse1 backends alike, so the code a
     test runs on the simulated accelerator is the code a GPU runs. A kind states what it
     adds or lacks with the flags below; feature code never asks which kind it is on.
+
+    What the rest of the package needs to know about the kind without running anything
+    (its spec words, whether it is a GPU, its collective backend, its precision policy)
+    is its :attr:`facts`, one :class:`~anydevice.hardware.backends.kind.Kind` record.
     """
 
+    #: The kind's facts; :attr:`kind` is its name.
+    facts: ClassVar[Kind]
     kind: ClassVar[str]
     #: Shown to users: "NVIDIA CUDA", "Apple MPS", ...
     label: ClassVar[str]
-    #: Whether ``"gpu"`` may mean this kind.
-    is_gpu: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "facts" in cls.__dict__:
+            cls.kind = cls.facts.name
 
     #: The device is the host itself (the CPU): its memory is the process's resident set,
     #: nothing is copied to reach it, and nothing is queued.
     is_host: ClassVar[bool] = False
-    #: fp32 matmuls may run as TF32 here (CUDA, where the math settings allow it).
-    tf32: ClassVar[bool] = False
-    #: The ``torch.backends`` name whose ``fp32_precision`` governs matmuls here (CUDA:
-    #: ``"cuda"``, the CPU: ``"mkldnn"``); None: the legacy global setting.
-    math_backend: ClassVar[str | None] = None
     #: Work runs on eager streams, ordered through ``torch.Stream``/``torch.Event`` (when
     #: the kind is torch's current accelerator). False: MPS (one queue), XLA (a graph),
     #: the CPU; their side streams are no-ops and their copies synchronous.
@@ -364,6 +369,31 @@ class Backend(ABC):
 
         torch.accelerator.set_device_index(device.index)
 
+    def host_memory_stats(self) -> Mapping[str, Any] | None:
+        """The counters of the pinned host memory this kind's host allocator holds
+        (``torch.<kind>.host_memory_stats``), or None: none kept, or the kind not in use
+        yet (no pinned memory can exist then, and asking initialises nothing)."""
+        mod = device_module(self.kind)
+        stats = getattr(mod, "host_memory_stats", None)
+        initialized = getattr(mod, "is_initialized", None)
+        if stats is None or initialized is None or not initialized():
+            return None
+        found = stats()
+        return found if isinstance(found, Mapping) else None
+
+    def sync_debug_unavailable(self) -> str | None:
+        """Why torch's sync debug mode cannot watch this kind here, with what it needs;
+        None where it can (:meth:`sync_debug`)."""
+        return f"torch has no sync debug mode for {self.label}"
+
+    @contextmanager
+    def sync_debug(self) -> Iterator[None]:
+        """Inside the block, each implicit host-device synchronisation warns (torch's sync
+        debug mode at ``"warn"``); the mode before comes back after it. Only where
+        :meth:`sync_debug_unavailable` is None."""
+        raise NotImplementedError(self.sync_debug_unavailable())
+        yield  # pragma: no cover
+
 
 #: What a backend raises for a call it does not implement (an allocator counter, a stream
 #: on a backend that names streams but cannot make them).
@@ -371,8 +401,8 @@ UNSUPPORTED = (RuntimeError, NotImplementedError, AttributeError)
 
 
 class Unclaimed(Backend):
-    """The run time of a device type no backend claims (``meta``, ``lazy``): no streams,
-    nothing queued to wait for, no memory counters; discovery finds nothing."""
+    """The run time of a device type no backend claims (``lazy``): no streams, nothing
+    queued to wait for, no memory counters; discovery finds nothing."""
 
     kind = "unclaimed"
     label = "device"
@@ -388,10 +418,14 @@ class Unclaimed(Backend):
         return None
 
 
+#: ``meta``: torch's device of shapes and dtypes without data, where nothing runs.
+META = Kind("meta", indexed=False, probed=False)
+
+
 class Meta(Unclaimed):
     """``meta``: tensors with shapes and dtypes but no data (FLOP counting, planning)."""
 
-    kind = "meta"
+    facts = META
     label = "meta (no data)"
     holds_data = False
 

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.hardware import torchbuild
+from anydevice.hardware.backends import build_label
 from anydevice.hardware.backends.base import Backend, Counters, Probe
+from anydevice.hardware.backends.kind import Kind, PrecisionPolicy, who
 from anydevice.hardware.facts import DeviceInfo
 
 if TYPE_CHECKING:
@@ -40,13 +42,34 @@ __all__ = [
 _CGROUP = Path("/sys/fs/cgroup")
 
 
+def _precision(info: DeviceInfo) -> PrecisionPolicy:
+    fp16 = "fp16 on a CPU is for checking fp16 code paths (scaling, skipped steps), not speed"
+    if info.bf16:
+        why = (
+            f"{who(info)} has native bf16 (AVX512-BF16, AMX or Arm BF16): autocast runs "
+            "matmuls and convolutions in bf16, no gradient scaling"
+        )
+        return PrecisionPolicy("bf16", why, caveats={"fp16": fp16})
+    known = "has no" if info.bf16 is False else "may lack (unknown)"
+    why = f"{who(info)} {known} native bf16 (AVX512-BF16, AMX or Arm BF16), so fp32"
+    bf16 = "emulated on this CPU, slower than fp32: useful to check bf16 numerics"
+    return PrecisionPolicy("fp32", why, caveats={"bf16": bf16, "fp16": fp16})
+
+
 class CpuBackend(Backend):
-    kind = "cpu"
+    facts = Kind(
+        "cpu",
+        indexed=False,  # one host
+        host=True,
+        collective="gloo",
+        autocast=True,
+        math="mkldnn",  # oneDNN: bf16, or TF32 on some CPUs
+        precision=_precision,
+    )
     label = "CPU"
 
     is_host = True
     always_probed = True
-    math_backend = "mkldnn"  # oneDNN: bf16, or TF32 on some CPUs
 
     def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:
         return True, f"{info.spec} ({info.name}): oneDNN convolutions are fastest in NHWC"
@@ -103,9 +126,9 @@ class CpuBackend(Backend):
         build = torchbuild.read()
         facts = {
             "torch": build.version if build else "not installed",
-            "torch_build": build.label if build else "none",
+            "torch_build": build_label(build) if build else "none",
             "torch_threads": None,
-            "cuda_runtime": build.cuda if build else None,
+            "cuda_runtime": build.toolkit("cuda") if build else None,
         }
         note = "torch was not imported: its thread count is not probed (anydevice info --torch)."
         return self._probe(telemetry, facts, (note,))
@@ -188,15 +211,11 @@ def torch_build() -> str:
     """
     import torch
 
-    if torch.version.cuda:
-        return f"CUDA {torch.version.cuda}"
-    if getattr(torch.version, "hip", None):
-        return f"ROCm {torch.version.hip}"
-    if getattr(torch.version, "xpu", None):
-        return "XPU"
-    if torch.backends.mps.is_built():
+    build = torchbuild.read()
+    label = build_label(build) if build is not None else CpuBackend.label
+    if label == CpuBackend.label and torch.backends.mps.is_built():
         return "MPS"
-    return "CPU"
+    return label
 
 
 def usable_cores() -> int:

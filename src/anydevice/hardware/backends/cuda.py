@@ -25,7 +25,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from anydevice.hardware import torchbuild
 from anydevice.hardware.backends import nvml
 from anydevice.hardware.backends.base import Backend, Probe
+from anydevice.hardware.backends.kind import Kind, PrecisionPolicy, who
 from anydevice.hardware.backends.nvml import GpuRecord, NvmlUnavailable
 from anydevice.hardware.backends.torch_private import cudnn_binding, primary_context_query
 from anydevice.hardware.facts import DeviceInfo, HostInfo
@@ -49,6 +51,7 @@ __all__ = [
     "cudnn_version_number",
     "driver_initialized",
     "has_primary_context",
+    "nvtx",
     "visible_devices",
 ]
 
@@ -79,7 +82,20 @@ def cuda_built() -> bool:
     Read from torch's files when torch is not imported yet, so asking does not import it.
     """
     build = torchbuild.read()
-    return build is not None and bool(build.cuda or build.hip)
+    return build is not None and any(build.toolkit(t) for t, _ in CudaBackend.facts.toolkits)
+
+
+def nvtx() -> Any | None:
+    """torch's NVTX binding (``torch.cuda.nvtx``: ``range_push``, ``range_pop``) where this
+    torch was built with NVTX, else None. NVTX needs no GPU and no CUDA context, so asking
+    never runs ``cuInit``: only the build is looked at."""
+    if not cuda_built():
+        return None
+    import torch
+
+    from anydevice.hardware.backends.torch_private import nvtx_binding
+
+    return torch.cuda.nvtx if nvtx_binding() is not None else None
 
 
 def _torch_cuda_initialized() -> bool:
@@ -366,17 +382,77 @@ def _info(index: int, r: GpuRecord, vis: Visibility) -> DeviceInfo:
     )
 
 
+def _precision(info: DeviceInfo) -> PrecisionPolicy:
+    """By compute capability: bf16 from 8.0, fp16 with gradient scaling from 7.0 (Tensor
+    Cores), fp32 before; never by ``torch.cuda.is_bf16_supported()``, which counts
+    emulation."""
+    name = who(info)
+    cc = info.compute_capability
+    if cc is None:
+        if info.bf16:
+            return PrecisionPolicy("bf16", f"{name} has native bf16 (compute capability unknown)")
+        return PrecisionPolicy(
+            "fp32",
+            f"{name}: compute capability unknown, so fp32; force 'bf16' (compute capability "
+            ">= 8.0) or 'fp16' (>= 7.0) if the GPU has them",
+        )
+    ccs = f"{cc[0]}.{cc[1]}"
+    refused: dict[str, str] = {}
+    caveats: dict[str, str] = {}
+    # The flag can only veto: ROCm's backend reports bf16=False, since AMD's architecture
+    # numbers say nothing about bf16. Forcing bf16 there stays allowed.
+    native_bf16 = cc >= (8, 0) and info.bf16 is not False
+    if cc < (8, 0):
+        refused["bf16"] = (
+            f"bf16 needs compute capability 8.0 or later (Ampere, Ada, Hopper, Blackwell) and "
+            f"{name} has {ccs}: it would be emulated, slower than fp32. Use mode='fp16' "
+            "(gradient scaling is automatic) or 'auto'."
+        )
+    elif not native_bf16:
+        caveats["bf16"] = "the backend does not report native bf16 for this GPU"
+    if cc < (5, 3):
+        refused["fp16"] = (
+            f"{name} (compute capability {ccs}) has no fp16 arithmetic; it starts at 5.3. "
+            "Use mode='fp32' or 'auto'."
+        )
+    elif cc < (7, 0):
+        caveats["fp16"] = "no Tensor Cores: fp16 saves memory here but is rarely faster"
+    if native_bf16:
+        why = (
+            f"{name} has compute capability {ccs} >= 8.0: native bf16 Tensor Cores; bf16 keeps "
+            "fp32's range, so no gradient scaling"
+        )
+        return PrecisionPolicy("bf16", why, refused, caveats)
+    if cc >= (7, 0):
+        why = (
+            f"{name} has compute capability {ccs}: fp16 Tensor Cores but no native bf16 (8.0+); "
+            "fp16 with dynamic gradient scaling"
+        )
+        return PrecisionPolicy("fp16", why, refused, caveats)
+    why = f"{name} has compute capability {ccs}: no Tensor Cores (they start at 7.0), so fp32"
+    return PrecisionPolicy("fp32", why, refused, caveats)
+
+
 class CudaBackend(Backend):
-    kind = "cuda"
+    facts = Kind(
+        "cuda",
+        gpu=True,
+        collective="nccl",
+        one_rank_per_device="NCCL refuses two ranks on one GPU ('Duplicate GPU detected')",
+        autocast=True,
+        profiler="CUDA",
+        sync_debug=True,
+        math="cuda",  # cuBLAS and cuDNN
+        tf32=True,
+        toolkits=(("cuda", "CUDA {}"), ("hip", "ROCm {}")),  # ROCm builds are torch's cuda too
+        precision=_precision,
+    )
     label = "CUDA"
-    is_gpu = True
     has_streams = True
     records_streams = True
     reuses_events = True
     pins_surely = True
     times_events = True
-    tf32 = True
-    math_backend = "cuda"
     always_probed = True
     keeps_history = True
     data_parallel = True
@@ -445,6 +521,34 @@ class CudaBackend(Backend):
         import torch
 
         return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+
+    def sync_debug_unavailable(self) -> str | None:
+        """Why CUDA's sync debug mode cannot watch this process, or None (asking whether a
+        GPU is visible runs ``cuInit``, as any CUDA work would next)."""
+        import torch
+
+        if not cuda_built():
+            return (
+                f"this torch ({torch.__version__}) is a CPU-only build; finding implicit "
+                "synchronisations takes CUDA's sync debug mode, so a CUDA build of torch and "
+                "an NVIDIA GPU"
+            )
+        if getattr(torch.version, "hip", None):
+            return "no CUDA: torch's sync debug mode is not supported on ROCm"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible to this process, so there is nothing to synchronise"
+        return None
+
+    @contextmanager
+    def sync_debug(self) -> Iterator[None]:
+        import torch
+
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
 
     def __init__(
         self, environ: Mapping[str, str] | None = None, nvml_reader: nvml.NvmlReader | None = None

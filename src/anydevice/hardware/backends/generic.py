@@ -4,7 +4,8 @@ Out-of-tree backends register under torch's ``privateuse1`` slot with a name of 
 (Ascend ``npu``, ...), and builds for other hardware make it torch's current accelerator.
 This backend asks ``torch.accelerator`` and ``torch.get_device_module(name)`` what they
 can tell (count, name, memory where the backend implements it), with no branch per
-vendor. The named kinds (cuda, xla, xpu, mps, cpu) keep their own backends.
+vendor. The named kinds keep their own backends (the registry's, in
+:mod:`anydevice.hardware.backends`, which also tells which device types are generic).
 """
 
 from __future__ import annotations
@@ -12,67 +13,30 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from anydevice.hardware.backends import (
+    GENERIC,
+    accelerators,
+    current_accelerator_type,
+    generic_kinds,
+)
 from anydevice.hardware.backends.base import Backend, Probe, current_if_initialized, device_module
-from anydevice.hardware.backends.torch_private import privateuse1_name
-from anydevice.hardware.facts import ACCELERATOR_KINDS, DeviceInfo, HostInfo
+from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GenericBackend", "kinds"]
-
-#: Device types that are never a generic accelerator: they have backends of their own, or
-#: hold no data (meta), or are torch internals.
-_NAMED = frozenset({*ACCELERATOR_KINDS, "cpu", "meta", "privateuseone", "lazy"})
-
-
-def kinds() -> tuple[str, ...]:
-    """The accelerator device types torch knows in this process beyond the named kinds.
-
-    The ``privateuse1`` backend's registered name (only when it was renamed, as every real
-    one is), then torch's current accelerator when it is none of the named kinds. Looking
-    imports nothing and initialises no device. Without torch imported: none (a backend that
-    registers with torch loads with it).
-
-    >>> "cuda" in kinds()
-    False
-    """
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return ()
-    found: list[str] = []
-    name = privateuse1_name()
-    if name not in _NAMED:
-        found.append(name)
-    current = _current_type(torch)
-    if current is not None and current not in _NAMED and current not in found:
-        found.append(current)
-    return tuple(found)
-
-
-def _current_type(torch: Any) -> str | None:
-    """torch's current accelerator type, or None; never asked of a CUDA or ROCm build.
-
-    On those builds the answer counts CUDA devices, which initialises the driver (and fixes
-    ``CUDA_VISIBLE_DEVICES``); their accelerator is CUDA's, which has its own backend.
-    """
-    version = getattr(torch, "version", None)
-    if getattr(version, "cuda", None) or getattr(version, "hip", None):
-        return None
-    accelerator = getattr(torch, "accelerator", None)
-    current = None if accelerator is None else accelerator.current_accelerator()
-    return None if current is None else str(current.type)
+__all__ = ["GenericBackend"]
 
 
 class GenericBackend(Backend):
-    kind = "accelerator"
+    kind = GENERIC
     label = "torch accelerator"
     has_streams = True
 
     def in_use(self) -> list[torch.device]:
         """The current device of each accelerator torch knows beyond the named kinds, once
         initialised (a module without ``is_initialized`` is not looked at)."""
-        return [d for d in map(current_if_initialized, kinds()) if d is not None]
+        return [d for d in map(current_if_initialized, generic_kinds()) if d is not None]
 
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Only torch knows these devices: without it, nothing (the inventory says which
@@ -84,7 +48,7 @@ class GenericBackend(Backend):
 
         devices: list[DeviceInfo] = []
         notes: list[str] = []
-        for kind in kinds():
+        for kind in generic_kinds():
             found, note = _devices(kind, telemetry=telemetry)
             devices.extend(found)
             notes.extend(note)
@@ -93,12 +57,14 @@ class GenericBackend(Backend):
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
         import torch
 
-        names = kinds()
+        names = generic_kinds()
         if not names:
+            *others, last = accelerators()
+            named = f"{', '.join(others)} and {last}" if others else last
             return (
-                f"torch {torch.__version__} has no accelerator beyond cuda, xla, xpu and mps "
-                "here; a backend of another kind registers when its package is installed "
-                "and imported (e.g. torch_npu for 'npu')."
+                f"torch {torch.__version__} has no accelerator beyond {named} here; a "
+                "backend of another kind registers when its package is installed and "
+                "imported (e.g. torch_npu for 'npu')."
             )
         return f"torch's {', '.join(names)} backend reports no device."
 
@@ -144,7 +110,7 @@ def _devices(kind: str, *, telemetry: bool) -> tuple[list[DeviceInfo], list[str]
 def _is_current(kind: str) -> bool:
     import torch
 
-    return _current_type(torch) == kind
+    return current_accelerator_type(torch) == kind
 
 
 def _name(mod: Any, kind: str, index: int) -> str:

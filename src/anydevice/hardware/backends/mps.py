@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from anydevice.hardware.backends.base import Backend, Counters, Probe
+from anydevice.hardware.backends.kind import Kind, PrecisionPolicy, who
 from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
@@ -15,10 +16,20 @@ if TYPE_CHECKING:
 __all__ = ["MpsBackend"]
 
 
+def _precision(info: DeviceInfo) -> PrecisionPolicy:
+    refused = {}
+    if not info.bf16:
+        refused["bf16"] = "bf16 on MPS needs macOS 14 (Sonoma) or later. Use 'fp16' or 'auto'."
+    why = (
+        f"{who(info)}: Apple GPUs compute fp16 natively (torch's default autocast dtype on "
+        "MPS); fp16 with dynamic gradient scaling"
+    )
+    return PrecisionPolicy("fp16", why, refused)
+
+
 class MpsBackend(Backend):
-    kind = "mps"
+    facts = Kind("mps", gpu=True, autocast=True, precision=_precision)
     label = "Apple MPS"
-    is_gpu = True
     times_events = True  # on its one queue (no side streams: timeit synchronises instead)
 
     def channels_last_pays(self, info: DeviceInfo) -> tuple[bool, str]:

@@ -6,6 +6,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from anydevice.hardware.backends.base import Backend, Counters, Probe
+from anydevice.hardware.backends.kind import Kind, PrecisionPolicy, who
 from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 if TYPE_CHECKING:
@@ -19,8 +20,22 @@ def installed() -> bool:
     return importlib.util.find_spec("torch_xla") is not None
 
 
+def _precision(info: DeviceInfo) -> PrecisionPolicy:
+    refused = {
+        "fp16": "torch.amp's gradient scaling does not run on XLA devices, and TPUs compute "
+        "in bf16. Use 'bf16' or 'auto'."
+    }
+    if info.bf16:
+        return PrecisionPolicy("bf16", f"{who(info)}: TPUs compute in bf16 natively", refused)
+    if info.bf16 is False:
+        refused["bf16"] = f"{who(info)} has no native bf16. Use 'fp32' or 'auto'."
+    return PrecisionPolicy("fp32", f"{who(info)}: native bf16 not known, so fp32", refused)
+
+
 class XlaBackend(Backend):
-    kind = "xla"
+    #: "tpu" is torch_xla's device, unless torch has a backend of that name (a native TPU
+    #: backend, which torch_xla's successor is planned to be: pytorch/xla#9684).
+    facts = Kind("xla", words=("tpu",), precision=_precision)
     label = "XLA (TPU)"
     times_events = False
     lazy = True

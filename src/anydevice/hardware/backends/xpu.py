@@ -4,15 +4,36 @@ from __future__ import annotations
 
 from anydevice.hardware import torchbuild
 from anydevice.hardware.backends.base import Backend, Probe
+from anydevice.hardware.backends.kind import Kind, PrecisionPolicy, who
 from anydevice.hardware.facts import DeviceInfo, HostInfo
 
 __all__ = ["XpuBackend"]
 
 
+def _precision(info: DeviceInfo) -> PrecisionPolicy:
+    if info.bf16:
+        return PrecisionPolicy(
+            "bf16", f"{who(info)} has native bf16 (Intel XMX); no gradient scaling"
+        )
+    refused = {}
+    if info.bf16 is False:
+        refused["bf16"] = f"torch reports no native bf16 on {who(info)}. Use 'fp16' or 'auto'."
+    why = f"{who(info)}: no native bf16 known; fp16 with gradient scaling"
+    return PrecisionPolicy("fp16", why, refused)
+
+
 class XpuBackend(Backend):
-    kind = "xpu"
+    facts = Kind(
+        "xpu",
+        gpu=True,
+        collective="xccl",
+        collective_fallback=True,  # XCCL is in XPU builds from torch 2.8 on
+        autocast=True,
+        profiler="XPU",
+        toolkits=(("xpu", "XPU"),),
+        precision=_precision,
+    )
     label = "Intel XPU"
-    is_gpu = True
     has_streams = True
     ddp_device_ids = True
     visibility_variable = "ZE_AFFINITY_MASK"
@@ -23,7 +44,8 @@ class XpuBackend(Backend):
     def probe_without_torch(self, *, telemetry: bool = True) -> Probe | None:
         """Nothing to find when torch was built without XPU; otherwise only torch can tell."""
         build = torchbuild.read()
-        return Probe() if build is None or not build.xpu else None
+        built = build is not None and any(build.toolkit(t) for t, _ in self.facts.toolkits)
+        return None if built else Probe()
 
     def probe(self, *, telemetry: bool = True) -> Probe:
         import torch
