@@ -38,7 +38,8 @@ RUNS: dict[str, list[str]] = {
     "ddp": ["ddp_train.py", "--spawn", "2", "--epochs", "2"],
 }
 
-pytestmark = pytest.mark.timeout(600)
+# Every example at once, then each checked: minutes (make test-long).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
 #: The device the examples pick here (read through NVML: no CUDA context in this process).
 DEV = ad.device()

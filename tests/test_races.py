@@ -27,6 +27,7 @@ ABSURD = [math.nan, -1, -1.5, 1e300, 2**63, math.inf * -1]
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the detection table, 36 programs a mode (make test-long)
 @pytest.mark.parametrize("as_on_a_gpu", ["0", "1"], ids=["simulator", "as-on-a-real-gpu"])
 def test_every_bug_is_reported_naming_its_line_and_every_twin_runs_clean(as_on_a_gpu: str) -> None:
     """On the simulator, and watched as a real accelerator is (detect_races(): reuse seen

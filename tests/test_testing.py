@@ -74,7 +74,7 @@ def _built() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sim", "simgpu"])
+@pytest.mark.parametrize("name", ["sim", pytest.param("simgpu", marks=pytest.mark.long)])
 def test_simulator_cases_in_a_child_process(name: str) -> None:
     """The cases under two names; the second selects it through ANYDEVICE_DEVICE."""
     _toolchain_or_skip()
@@ -198,6 +198,7 @@ EXAMPLES = {
 
 
 @pytest.mark.slow
+@pytest.mark.long  # whole programs, twice each (make test-long)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
     import re
@@ -254,6 +255,7 @@ def test_two_devices() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # whole programs (make test-long)
 @pytest.mark.parametrize(
     "argv", [["which_device.py"], ["device_tour.py"], ["amp_recipe.py"]], ids=lambda a: a[0]
 )
@@ -269,6 +271,7 @@ def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a whole program (make test-long)
 def test_the_measure_example_runs_clean_and_finds_the_simulated_memory_limit() -> None:
     """``ad.timeit``'s events, ``track_memory`` and ``fit_batch_size`` under the race
     detector, on a 64 MiB device: the search stops where the caching allocator runs out

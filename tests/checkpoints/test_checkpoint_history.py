@@ -250,6 +250,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
 
 
 @pytest.mark.slow
+@pytest.mark.long  # two runs of the example on 2 ranks (make test-long)
 @pytest.mark.timeout(400)
 def test_the_ddp_example_saves_in_the_background_and_a_second_run_resumes_mid_epoch(tmp_path):
     def run(*argv: str) -> str:
