@@ -14,11 +14,10 @@ from soak import SAMPLES, kill_plan, soak, verdict
 
 pytestmark = pytest.mark.slow
 
-#: Four stops, all in epochs 1 and 2 (where a sampler restarted at epoch 0's order shows):
-#: a preemption (SIGTERM) after the optimizer step, a SIGKILL right after a background save
-#: returned while its write goes on, a preemption after the gradient all-reduce, and a
-#: SIGKILL after the step; rank 0 twice, rank 1 twice.
-SEED, CYCLES, EPOCHS = 122, 4, 3
+#: Ten stops, all after epoch 0 (where a sampler restarted at epoch 0's order shows):
+#: preemptions (SIGTERM) and SIGKILLs on either rank, at a batch, after the optimizer step,
+#: from a timer, and right after a background save returned while its write goes on.
+SEED, CYCLES, EPOCHS = 251, 10, 4
 
 
 def test_the_plan_stops_both_ranks_both_ways_in_later_epochs() -> None:
