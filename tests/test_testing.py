@@ -254,6 +254,31 @@ def test_two_devices() -> None:
 
 
 @pytest.mark.slow
+def test_later_work_on_the_source_waits_for_a_copy_to_another_device() -> None:
+    """A copy from device 0 to device 1 waits its turn on device 1's busy stream; a kernel
+    that writes the source right after it ran at once, and the copy read what it wrote.
+    On a GPU the copy orders both devices' streams: the source keeps its values for it,
+    and the race detector (on) sees that order, blocking or not."""
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice.testing as t\n"
+        "t.enable(devices=2)\n"
+        "for non_blocking in (False, True):\n"
+        "    src = torch.full((4,), 1.0, device='sim:0')\n"
+        "    dst = torch.empty(4, device='sim:1')\n"
+        "    t.busy(0.5, 1)  # device 1's stream: the copy runs after this\n"
+        "    dst.copy_(src, non_blocking=non_blocking)\n"
+        "    src.fill_(7.0)  # later work on the source's stream\n"
+        "    print(dst.cpu().tolist(), src.cpu().tolist())\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]"] * 2, (
+        proc.stdout
+    )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv", [["which_device.py"], ["device_tour.py"], ["amp_recipe.py"]], ids=lambda a: a[0]
 )

@@ -62,11 +62,13 @@ int64_t Stream::enqueue(std::function<void()> task, const char* what) {
 }
 
 void Stream::wait(int64_t ticket) {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return completed_ >= ticket; });
-  }
+  reached(ticket);
   raise_failure();
+}
+
+void Stream::reached(int64_t ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] { return completed_ >= ticket; });
 }
 
 void Stream::synchronize() {

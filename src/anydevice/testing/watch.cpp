@@ -380,6 +380,10 @@ void watch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
 
   std::vector<Race> races;
   d.kernel(stream, dev.done(), dev.uses.size(), site, info.name, races);
+  if (info.copy != Copy::none && src.defined() && src.device().type() == type &&
+      src.device() != *device) {
+    d.stream_waited(current(src.device()), stream);  // across devices: the source's after it
+  }
   if (post_wait) {
     d.host_waited(stream, site);
   }
