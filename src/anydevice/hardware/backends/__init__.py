@@ -30,7 +30,7 @@ from functools import cache
 
 from anydevice.hardware.backends.base import Backend, Probe
 
-__all__ = ["KINDS", "Backend", "Probe", "get", "runtime"]
+__all__ = ["KINDS", "Backend", "Probe", "get", "runtime", "stand_in"]
 
 #: kind -> "module:class", in the order ``"auto"`` prefers accelerators, CPU last.
 _REGISTRY: dict[str, str] = {
@@ -45,12 +45,28 @@ _REGISTRY: dict[str, str] = {
 
 KINDS: tuple[str, ...] = tuple(_REGISTRY)
 
+#: Backends that serve a kind in place of its own for a while (kind -> backend).
+_STAND_INS: dict[str, Backend] = {}
+
+
+def stand_in(kind: str, backend: Backend | None) -> Backend | None:
+    """Serve ``kind`` with ``backend`` from now on (None: its own backend again), and
+    return the stand-in this replaces. How ``anydevice.testing`` runs CUDA code on the
+    simulated accelerator: its devices, presented as ``cuda``, answer through a backend
+    of its own."""
+    before = _STAND_INS.pop(kind, None)
+    if backend is not None:
+        _STAND_INS[kind] = backend
+    return before
+
 
 def get(kind: str) -> Backend:
     """The backend for ``kind`` (one instance per process; backends keep no device state).
 
     A device type torch knows beyond the named kinds (``npu``, ...) gets the generic one.
     """
+    if _STAND_INS and kind in _STAND_INS:
+        return _STAND_INS[kind]
     if kind not in _REGISTRY:
         from anydevice.hardware.backends.generic import kinds
 

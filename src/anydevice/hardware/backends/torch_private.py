@@ -18,7 +18,9 @@ __all__ = [
     "NAMES",
     "cudnn_allow_tf32",
     "cudnn_binding",
+    "default_device_context",
     "default_store",
+    "engine_backward",
     "flight_record",
     "fp32_precision",
     "has_fp32_precision_tree",
@@ -47,6 +49,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "_world": ("torch.distributed.distributed_c10d", "all"),
     "_dump_fr_trace": ("torch._C._distributed_c10d", "all"),  # gloo records too: torch >= 2.10
     "_get_default_store": ("torch.distributed.distributed_c10d", "all"),
+    "CURRENT_DEVICE": ("torch.utils._device", "all"),
+    "_device_constructors": ("torch.utils._device", "all"),
+    "_ImperativeEngine": ("torch._C", "all"),
 }
 
 
@@ -185,3 +190,32 @@ def default_store() -> Any | None:
         return get()
     except (RuntimeError, ValueError):  # a group made without a store (a fake backend)
         return None
+
+
+def default_device_context() -> tuple[Any, frozenset[Any]]:
+    """The device ``torch.set_default_device`` / ``with torch.device(...)`` gives factory
+    functions that name none (None when unset), and those factory functions
+    (``torch.utils._device``'s ``CURRENT_DEVICE`` and ``_device_constructors()``); (None,
+    nothing) without them."""
+    import torch.utils._device as device_context
+
+    constructors = getattr(device_context, "_device_constructors", None)
+    return (
+        getattr(device_context, "CURRENT_DEVICE", None),
+        frozenset(constructors()) if constructors is not None else frozenset(),
+    )
+
+
+def engine_backward(output: Any) -> None:
+    """Backpropagate from the scalar ``output`` through autograd's engine itself, without
+    the context ``torch.autograd.backward`` keeps in the thread's state for the engine's
+    threads (a Python object: freeing it needs the interpreter). Without that binding,
+    ``output.backward()``."""
+    import torch
+
+    engine = getattr(_C(), "_ImperativeEngine", None)
+    if engine is None:
+        output.backward()
+        return
+    grad = torch.ones((), dtype=output.dtype, device=output.device)
+    engine().run_backward((output,), (grad,), False, False, (), True, True)
