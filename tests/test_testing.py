@@ -280,12 +280,16 @@ def test_later_work_on_the_source_waits_for_a_copy_to_another_device() -> None:
         "    dst.copy_(src, non_blocking=non_blocking)\n"
         "    src.fill_(7.0)  # later work on the source's stream\n"
         "    print(dst.cpu().tolist(), src.cpu().tolist())\n"
+        "moved = src.to('sim:1', non_blocking=True)  # read next on device 1's stream\n"
+        "print((moved * 2).cpu().tolist())\n"
     )
     proc = _child(["-c", code])
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[:2] == ["[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]"] * 2, (
-        proc.stdout
-    )
+    assert proc.stdout.split("\n")[:3] == [
+        "[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]",
+        "[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]",
+        "[14.0, 14.0, 14.0, 14.0]",
+    ], proc.stdout
 
 
 @pytest.mark.slow
