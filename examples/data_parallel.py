@@ -51,7 +51,8 @@ def four_steps(model: nn.Module, x: torch.Tensor, devices: list[torch.device]) -
     n = len(devices)
     replicas = attempt(
         "replicate", lambda: replicate(model, devices),
-        lambda r: f"{len(r)} copies of the module, on {[str(ad.device_of(m)) for m in r]}",
+        # A replica keeps its weights as plain attributes, not parameters (nothing to train).
+        lambda r: f"{len(r)} copies of the module, on {[str(m[0].weight.device) for m in r]}",
     ) or [model] * n  # fmt: skip
     shards = attempt(
         "scatter", lambda: scatter(x, devices),

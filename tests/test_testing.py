@@ -200,7 +200,9 @@ EXAMPLES = {
 @pytest.mark.slow
 @pytest.mark.long  # whole programs, twice each (make test-long)
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
+def test_examples_give_the_cpus_results_on_the_simulated_gpu(name: str) -> None:
+    """``python -m anydevice.testing`` presents the simulator as a CUDA GPU:
+    ``ad.device()`` picks ``cuda:0`` there."""
     import re
 
     _toolchain_or_skip()
@@ -208,10 +210,18 @@ def test_examples_give_the_cpus_results_on_the_simulator(name: str) -> None:
     folder = Path(__file__).resolve().parents[1] / "examples"
     script = [str(folder / argv[0]), *argv[1:]]
     cpu = _child(script, ANYDEVICE_DEVICE="cpu")
-    sim = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    environ = {k: v for k, v in os.environ.items() if k != "ANYDEVICE_DEVICE"}
+    sim = subprocess.run(
+        [sys.executable, "-m", "anydevice.testing", *script],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        check=False,
+    )
     assert cpu.returncode == 0, cpu.stderr
     assert sim.returncode == 0, sim.stderr
-    assert "sim:0" in sim.stdout, sim.stdout
+    assert "cuda:0" in sim.stdout, sim.stdout
     expected = re.findall(pattern, cpu.stdout)
     assert expected and re.findall(pattern, sim.stdout) == expected, (cpu.stdout, sim.stdout)
 
@@ -255,17 +265,47 @@ def test_two_devices() -> None:
 
 
 @pytest.mark.slow
+def test_later_work_on_the_source_waits_for_a_copy_to_another_device() -> None:
+    """A copy from device 0 to device 1 waits its turn on device 1's busy stream; a kernel
+    that writes the source right after it ran at once, and the copy read what it wrote.
+    On a GPU the copy orders both devices' streams: the source keeps its values for it,
+    and the race detector (on) sees that order, blocking or not."""
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice.testing as t\n"
+        "t.enable(devices=2)\n"
+        "for non_blocking in (False, True):\n"
+        "    src = torch.full((4,), 1.0, device='sim:0')\n"
+        "    dst = torch.empty(4, device='sim:1')\n"
+        "    t.busy(0.5, 1)  # device 1's stream: the copy runs after this\n"
+        "    dst.copy_(src, non_blocking=non_blocking)\n"
+        "    src.fill_(7.0)  # later work on the source's stream\n"
+        "    print(dst.cpu().tolist(), src.cpu().tolist())\n"
+        "moved = src.to('sim:1', non_blocking=True)  # read next on device 1's stream\n"
+        "print((moved * 2).cpu().tolist())\n"
+    )
+    proc = _child(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == [
+        "[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]",
+        "[1.0, 1.0, 1.0, 1.0] [7.0, 7.0, 7.0, 7.0]",
+        "[14.0, 14.0, 14.0, 14.0]",
+    ], proc.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.long  # whole programs (make test-long)
 @pytest.mark.parametrize(
     "argv", [["which_device.py"], ["device_tour.py"], ["amp_recipe.py"]], ids=lambda a: a[0]
 )
-def test_more_examples_run_on_the_simulator(argv: list[str]) -> None:
-    """These print device facts or autocast numbers (the simulator casts nothing), so they
-    are checked for running on it, not for the CPU's numbers."""
+def test_more_examples_run_on_the_simulator_under_its_own_name(argv: list[str]) -> None:
+    """With ``--no-cuda`` the simulator keeps its name, ``sim``. These print device facts
+    or autocast numbers (the simulator casts nothing), so they are checked for running on
+    it, not for the CPU's numbers."""
     _toolchain_or_skip()
     folder = Path(__file__).resolve().parents[1] / "examples"
     script = [str(folder / argv[0]), *argv[1:]]
-    proc = _child(["-m", "anydevice.testing", *script], ANYDEVICE_DEVICE="sim")
+    proc = _child(["-m", "anydevice.testing", "--no-cuda", *script], ANYDEVICE_DEVICE="sim")
     assert proc.returncode == 0, proc.stderr
     assert "sim:0" in proc.stdout, proc.stdout
 
@@ -278,7 +318,7 @@ def test_the_measure_example_runs_clean_and_finds_the_simulated_memory_limit() -
     (the script's high end is 2**16, which the host's memory would fit)."""
     _toolchain_or_skip()
     script = Path(__file__).resolve().parents[1] / "examples" / "measure.py"
-    proc = _child(["-m", "anydevice.testing", "--capacity", "64MiB", str(script)])
+    proc = _child(["-m", "anydevice.testing", "--no-cuda", "--capacity", "64MiB", str(script)])
     assert proc.returncode == 0, proc.stderr
     assert "StreamRace" not in proc.stderr, proc.stderr
     found = re.search(r"largest batch that fits: (\d+)", proc.stdout)
@@ -302,3 +342,53 @@ def test_synchronize_right_after_enable_waits_for_busy_work() -> None:
     proc = _child(["-c", code])
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.strip().splitlines()[-1]) >= 0.1, proc.stdout
+
+
+@pytest.mark.slow
+def test_waiting_for_a_copy_that_drops_a_python_kept_tensor_does_not_hang() -> None:
+    """A finished copy drops the tensors it held; where that is the last hold on one that
+    Python keeps (a tensor with attributes of its own), dropping it takes Python's lock.
+    The host waited for the copy holding that lock: both waited for ever."""
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice.testing as t\n"
+        "d = t.enable(bandwidth='10MB/s')\n"
+        "src = torch.full((2**20,), 3.0).pin_memory()\n"
+        "src.note = 'Python keeps this object while C++ holds the tensor'\n"
+        "x = src.to(d, non_blocking=True)  # 0.4 s over the link; the copy holds src\n"
+        "del src  # the copy's hold is now the last\n"
+        "torch.accelerator.synchronize()  # the host waits for the copy that drops it\n"
+        "print(x[:2].cpu().tolist())\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the host and the copy's worker waited for each other (no output in 300 s)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[3.0, 3.0]"
+
+
+@pytest.mark.slow
+@pytest.mark.long  # eight processes with the simulator: minutes on a busy machine
+def test_exiting_right_after_a_backward_pass_does_not_abort() -> None:
+    """Autograd's thread for the device freed its last task (which holds a Python object)
+    while Python shut down: "terminate called without an active exception" in about one
+    run in three. Eight runs, all must exit cleanly."""
+    _toolchain_or_skip()
+    code = (
+        "import torch, anydevice.testing as t\n"
+        "d = t.enable()\n"
+        "x = torch.ones(2, device=d, requires_grad=True)\n"
+        "(x * 2).sum().backward()\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
+    results = [(p.wait(timeout=TIMEOUT), p.stderr.read() if p.stderr else "") for p in procs]
+    for p in procs:
+        if p.stderr:
+            p.stderr.close()
+    assert [code for code, _ in results] == [0] * 8, results

@@ -371,6 +371,13 @@ def resolve(spec: DeviceLike) -> torch.device:
 _CHECKED: set[torch.device] = set()
 
 
+def forget_checked() -> None:
+    """Check every ``torch.device`` again from now on: a backend stood in for a kind, or
+    stopped standing in (``anydevice.hardware.backends.stand_in``), so devices of that kind
+    came or went."""
+    _CHECKED.clear()
+
+
 def _check_device(dev: torch.device) -> None:
     """Refuse a ``torch.device`` this machine lacks as the same spec string would be
     refused (``DeviceNotFoundError``), instead of torch's raw error at the first copy

@@ -22,7 +22,9 @@ behaves like a GPU where those bugs hide:
   whatever the timing (:func:`detect_races` turns it on for a real accelerator too).
 
 It is torch's ``privateuse1`` backend, built from C++ on first use (cached by content),
-selected like any accelerator (``ad.device("sim")``, ``ANYDEVICE_DEVICE=sim``).
+selected like any accelerator (``ad.device("sim")``, ``ANYDEVICE_DEVICE=sim``). Code
+written for CUDA runs on it unchanged inside :func:`simulate_cuda` (``python -m
+anydevice.testing train.py`` does that by default).
 
 Modules:
 
@@ -30,12 +32,18 @@ Modules:
   backend (the C++ sources shipped beside it).
 - ``races``: the stream race detector's reports and modes (:func:`detect_races`,
   :func:`expect_races`, :class:`RaceReport`).
-- ``pytest_plugin``: the ``sim_device`` fixture (``pytest_plugins =
+- ``device_module``: what ``torch.sim`` offers as ``torch.cuda`` does (streams, events,
+  the current and default stream, memory counters).
+- ``autograd_threads``: what a process with the simulator does at exit (autograd's device
+  threads let go of their last backward pass, or the process may abort).
+- ``cuda``: :func:`simulate_cuda`, CUDA programs on the simulated devices (a subpackage).
+- ``pytest_plugin``: the ``sim_device`` and ``sim_cuda`` fixtures (``pytest_plugins =
   ["anydevice.testing.pytest_plugin"]``); a test with a stream race fails.
 """
 
 from __future__ import annotations
 
+from anydevice.testing.cuda import NotSimulatedError, simulate_cuda
 from anydevice.testing.races import (
     RaceReport,
     StreamRaceError,
@@ -61,6 +69,7 @@ from anydevice.testing.simulator import (
 
 __all__ = [
     "MIN_TORCH",
+    "NotSimulatedError",
     "RaceReport",
     "SimulatorError",
     "Span",
@@ -77,5 +86,6 @@ __all__ = [
     "race_reports",
     "set_bandwidth",
     "set_capacity",
+    "simulate_cuda",
     "trace",
 ]

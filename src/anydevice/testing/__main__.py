@@ -1,10 +1,13 @@
 """Run a script on the simulated accelerator: ``python -m anydevice.testing script.py [args]``.
 
-The simulator is enabled in this process (``--name``, ``--bandwidth``, ``--capacity``,
-``--devices``, ``--races`` are :func:`anydevice.testing.enable`'s), ``ANYDEVICE_DEVICE``
-is set to its name unless already set, so ``ad.device()`` picks it, and the script runs
-as ``__main__`` with the arguments after it. Processes the script starts do not have the
-simulator (torch registers a backend per process).
+By default the script runs as it would on a machine with CUDA GPUs (``--devices N`` of
+them, one by default): ``torch.cuda``, ``"cuda"`` and ``.cuda()`` land on the simulated
+devices (:func:`anydevice.testing.simulate_cuda`). With ``--no-cuda`` the simulator keeps
+its own name (``sim``): ``ANYDEVICE_DEVICE`` is set to it unless already set, so
+``ad.device()`` picks it, and ``torch.cuda`` is left alone. ``--name``, ``--bandwidth``,
+``--capacity`` and ``--races`` are :func:`anydevice.testing.enable`'s. The script runs as
+``__main__`` with the arguments after it; processes it starts do not have the simulator
+(torch registers a backend per process).
 
 A stream race fails the run: with ``--races raise`` (the default) it raises
 :class:`~anydevice.testing.StreamRaceError` at the racing line, and a race the script
@@ -26,9 +29,9 @@ from anydevice.testing.simulator import enable
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m anydevice.testing",
-        description="Run a script with anydevice's simulated accelerator enabled.",
+        description="Run a script on anydevice's simulated accelerator, as CUDA GPUs by default.",
     )
-    parser.add_argument("--name", default="sim", help="the device type (default: sim)")
+    parser.add_argument("--name", default="sim", help="the simulator's device type (default: sim)")
     parser.add_argument("--bandwidth", default="2GB/s", help="the link's speed (2GB/s)")
     parser.add_argument("--capacity", default=None, help="memory per device (default: host's)")
     parser.add_argument("--devices", type=int, default=1, help="how many devices (1)")
@@ -39,17 +42,39 @@ def main(argv: list[str] | None = None) -> None:
         help="a stream race raises at the racing line and fails the run (raise, the "
         "default), is a warning (warn), or is not looked for (off)",
     )
+    parser.add_argument(
+        "--cuda",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="present the devices as CUDA GPUs (default); --no-cuda: as the simulator's own",
+    )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ns = parser.parse_args(argv)
-    enable(
-        ns.name, bandwidth=ns.bandwidth, capacity=ns.capacity, devices=ns.devices, races=ns.races
-    )
-    os.environ.setdefault("ANYDEVICE_DEVICE", ns.name)
     sys.argv = [ns.script, *ns.args]
     code: str | int | None = 0
     try:
-        runpy.run_path(ns.script, run_name="__main__")
+        if ns.cuda:
+            from anydevice.testing.cuda import simulate_cuda
+
+            with simulate_cuda(
+                ns.devices,
+                name=ns.name,
+                bandwidth=ns.bandwidth,
+                capacity=ns.capacity,
+                races=ns.races,
+            ):
+                runpy.run_path(ns.script, run_name="__main__")
+        else:
+            enable(
+                ns.name,
+                bandwidth=ns.bandwidth,
+                capacity=ns.capacity,
+                devices=ns.devices,
+                races=ns.races,
+            )
+            os.environ.setdefault("ANYDEVICE_DEVICE", ns.name)
+            runpy.run_path(ns.script, run_name="__main__")
     except SystemExit as e:
         code = e.code
     caught = uncaught()

@@ -62,11 +62,13 @@ int64_t Stream::enqueue(std::function<void()> task, const char* what) {
 }
 
 void Stream::wait(int64_t ticket) {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return completed_ >= ticket; });
-  }
+  reached(ticket);
   raise_failure();
+}
+
+void Stream::reached(int64_t ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] { return completed_ >= ticket; });
 }
 
 void Stream::synchronize() {
@@ -257,6 +259,7 @@ struct Event {
   bool timing = false;
   c10::DeviceIndex device = 0;  // where it was last recorded
   c10::StreamId stream = 0;
+  int64_t ticket = 0;  // the newest record's place in its stream's queue
 };
 
 // What torch holds as the event's void*: one owner of the shared event, so a task still
@@ -329,7 +332,7 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
       ev->device = stream.device_index();
       ev->stream = stream.id();
     }
-    stream_of(stream.device_index(), stream.id()).enqueue(
+    const int64_t ticket = stream_of(stream.device_index(), stream.id()).enqueue(
         [ev, version] {
           {
             std::lock_guard<std::mutex> lock(ev->mutex);
@@ -339,6 +342,10 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
           ev->cv.notify_all();
         },
         "an event's record");
+    std::lock_guard<std::mutex> lock(ev->mutex);
+    if (ev->scheduled == version) {
+      ev->ticket = ticket;
+    }
   }
 
   // A wait queued on the stream: its worker stops there until the event's newest
@@ -377,14 +384,18 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
     Event& ev = event_of(event);
     c10::DeviceIndex device;
     c10::StreamId stream;
+    int64_t ticket;
     {
       std::unique_lock<std::mutex> lock(ev.mutex);
       const int64_t version = ev.scheduled;
       ev.cv.wait(lock, [&] { return ev.reached >= version; });
       device = ev.device;
       stream = ev.stream;
+      ticket = ev.ticket;
     }
-    stream_of(device, stream).raise_failure();
+    // And the record counted done on its stream: a stream whose last work was the event
+    // then answers query() with True, as CUDA's does.
+    stream_of(device, stream).wait(ticket);
   }
 
   double elapsedTime(void* start, void* end, const c10::DeviceIndex /*device*/) const override {

@@ -794,27 +794,34 @@ void record_stream(at::Tensor& self, c10::Stream stream) {
 //   earlier work, stages the bytes, and does not wait for the copy (CUDA's driver does
 //   that); a pageable destination, or a blocking copy: the host waits for the copy.
 // - device -> device goes on the destination's current stream and never makes the host
-//   wait, whatever non_blocking says (across devices, the source's stream is waited for
-//   first).
+//   wait, whatever non_blocking says. Across devices the source's stream is waited for
+//   first, and the source's current stream waits for the copy: later work there (a kernel
+//   that writes the source) comes after the copy has read it, as CUDA's copy orders it.
 at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   const bool from_device = src.device().type() == kDev;
   const bool to_device = dst.device().type() == kDev;
   if (from_device && to_device) {
     const auto device = dst.device().index();
-    if (src.device().index() != device) {
-      current_stream(src.device().index()).synchronize();
+    const auto source = src.device().index();
+    if (source != device) {
+      current_stream(source).synchronize();
     }
     c10::Storage a, b;
     at::Tensor from = host_view(src.storage(), src, &a);
     at::Tensor to = src.storage().unsafeGetStorageImpl() == dst.storage().unsafeGetStorageImpl()
                         ? host_view(dst.storage(), dst, &a)
                         : host_view(dst.storage(), dst, &b);
-    current_stream(device).enqueue(
+    Stream& target = current_stream(device);
+    const int64_t ticket = target.enqueue(
         [from, to]() mutable {
           at::AutoDispatchBelowADInplaceOrView below_autograd;
           to.copy_(from);
         },
         "a device-to-device copy");
+    if (source != device) {
+      current_stream(source).enqueue([&target, ticket] { target.reached(ticket); },
+                                     "a wait for a copy to another device");
+    }
     return dst;
   }
   TORCH_CHECK(from_device || to_device, "anydevice simulator: a copy with no device side");

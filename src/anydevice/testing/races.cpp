@@ -509,6 +509,14 @@ void Detector::stream_made(const c10::Stream& s, int site) {
   impl_->streams[static_cast<size_t>(impl_->stream_index(s))].made_site = site;
 }
 
+void Detector::stream_waited(const c10::Stream& waiter, const c10::Stream& on) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const int w = impl_->stream_index(waiter);
+  const int o = impl_->stream_index(on);
+  StreamState& st = impl_->launch(w);
+  join(st.clock, impl_->streams[static_cast<size_t>(o)].clock);
+}
+
 void Detector::record(void* event, const c10::Stream& s, int site) {
   if (event == nullptr) {
     return;

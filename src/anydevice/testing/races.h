@@ -129,6 +129,9 @@ class Detector {
   void host_waited_device(c10::DeviceIndex index, int site);
   // Streams and events.
   void stream_made(const c10::Stream& s, int site);
+  // Later work on `waiter` comes after all of `on`'s work so far (a copy between two
+  // devices orders the source's stream after it, as CUDA's does).
+  void stream_waited(const c10::Stream& waiter, const c10::Stream& on);
   void record(void* event, const c10::Stream& s, int site);
   void block(void* event, const c10::Stream& s, int site);
   void forget_event(void* event);

@@ -65,6 +65,8 @@ class Stream {
   int64_t enqueue(std::function<void()> task, const char* what = "a queued task");
   // The host waits for every task queued up to `ticket`; raises a failure of one of them.
   void wait(int64_t ticket);
+  // Another stream's worker waits for the task `ticket` (its failure stays this stream's).
+  void reached(int64_t ticket);
   // The host waits for everything queued so far.
   void synchronize();
   bool query();

@@ -43,6 +43,7 @@ CUDA graphs, ``torch.compile``.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import time
@@ -53,6 +54,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from anydevice.errors import AnydeviceError, DeviceSpecError
+from anydevice.testing import device_module
+from anydevice.testing.autograd_threads import release_autograd_threads
 from anydevice.testing.races import RaceMode, check_mode, start as start_races
 
 if TYPE_CHECKING:
@@ -321,6 +324,7 @@ def _device_module(name: str, lib: Any) -> ModuleType:
     }
     for key, value in attrs.items():
         setattr(mod, key, value)
+    device_module.extend(mod, name)  # streams, events, memory: as torch.cuda has them
     return mod
 
 
@@ -416,6 +420,7 @@ def enable(
         # torch skips synchronising a device type it has not initialised yet: work queued
         # with busy() before any tensor or stream was made would be waited for by nobody.
         torch.accelerator.current_stream(torch.device(name, 0))
+        atexit.register(release_autograd_threads, name)  # or exiting may abort
         _name = name
         start_races(lib, name, simulated=True, mode=races)
         logger.info(

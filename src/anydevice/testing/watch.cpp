@@ -284,16 +284,17 @@ void watch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
   // The arguments: device memory the operator's stream reads or writes, host memory the
   // host does (pinned blocks with copies pending are all that matter there).
   Accesses dev, host;
-  std::optional<c10::Device> device;
+  std::optional<c10::Device> device, target;  // target: a device argument
   at::Tensor src, dst;  // a copy's sides
   const bool host_pending = d.pending_host() > 0;
   const c10::IValue* nb = info.non_blocking >= 0 ? &(*stack)[first + static_cast<size_t>(info.non_blocking)] : nullptr;
   const bool non_blocking = nb != nullptr && nb->isBool() && nb->toBool();
   for (size_t i = 0; i < nargs; ++i) {
     const c10::IValue& arg = (*stack)[first + i];
-    if (arg.isDevice() && arg.toDevice().type() == type && !device) {
+    if (arg.isDevice() && arg.toDevice().type() == type && !target) {
       const c10::Device where = arg.toDevice();
-      device = where.has_index() ? where : c10::Device(type, c10::impl::getDeviceGuardImpl(type)->getDevice().index());
+      target = where.has_index() ? where : c10::Device(type, c10::impl::getDeviceGuardImpl(type)->getDevice().index());
+      device = device ? device : target;
     }
     each_tensor(arg, [&](const at::Tensor& t) {
       if (!has_data(t)) {
@@ -329,6 +330,18 @@ void watch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
 
   const int site = site_now();
   const c10::Stream stream = current(*device);
+  // A copy between two devices orders the current streams of both (CUDA's two-way barrier):
+  // `other` is the device whose stream does not run it.
+  std::optional<c10::Device> other;
+  if (info.copy == Copy::in_place && src.defined() && src.device().type() == type &&
+      src.device() != *device) {
+    other = src.device();
+  } else if (info.copy == Copy::to_copy && target && *target != *device) {
+    other = target;
+  }
+  if (other) {
+    d.stream_waited(stream, current(*other));
+  }
   bool post_wait = info.syncs || (info.masks && boolean_index(*stack, first));
   if (info.copy != Copy::none) {
     // A copy: pinned host memory is the stream's to read or write (pageable memory the
@@ -380,6 +393,9 @@ void watch(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::St
 
   std::vector<Race> races;
   d.kernel(stream, dev.done(), dev.uses.size(), site, info.name, races);
+  if (other) {
+    d.stream_waited(current(*other), stream);  // across devices: both streams after the copy
+  }
   if (post_wait) {
     d.host_waited(stream, site);
   }

@@ -74,6 +74,7 @@ __all__ = [
     "probe_order",
     "register",
     "runtime",
+    "stand_in",
 ]
 
 #: The named kinds' backends, in the order ``"auto"`` prefers accelerators; the host and
@@ -331,12 +332,29 @@ def _current_device(kind: str) -> torch.device:
 # ----------------------------------------------------------------------------- backends
 
 
+#: Backends that serve a kind in place of its own for a while (kind -> backend).
+_STAND_INS: dict[str, Backend] = {}
+
+
+def stand_in(kind: str, backend: Backend | None) -> Backend | None:
+    """Serve ``kind`` with ``backend`` from now on (None: its own backend again), and
+    return the stand-in this replaces. How ``anydevice.testing`` runs CUDA code on the
+    simulated accelerator: its devices, presented as ``cuda``, answer through a backend
+    of its own."""
+    before = _STAND_INS.pop(kind, None)
+    if backend is not None:
+        _STAND_INS[kind] = backend
+    return before
+
+
 def get(kind: str) -> Backend:
     """The backend for ``kind`` (one instance per process; backends keep no device state).
 
     A device type torch knows beyond the named kinds (``npu``, ...) gets the generic one
     (as does :data:`GENERIC` itself).
     """
+    if _STAND_INS and kind in _STAND_INS:
+        return _STAND_INS[kind]
     cls = _registry().get(kind)
     if cls is None or not cls.facts.probed:
         if kind != GENERIC and kind not in generic_kinds():

@@ -49,7 +49,9 @@ __all__ = [
     "coo_parts",
     "cudnn_allow_tf32",
     "cudnn_binding",
+    "default_device_context",
     "default_store",
+    "engine_backward",
     "flight_record",
     "fp32_precision",
     "has_fp32_precision_tree",
@@ -91,6 +93,9 @@ NAMES: dict[str, tuple[str, str]] = {
     "TorchDispatchMode": ("torch.utils._python_dispatch", "all"),
     # The simulated accelerator (anydevice.testing) registers its device module with it.
     "_register_device_module": ("torch", "all"),
+    "CURRENT_DEVICE": ("torch.utils._device", "all"),
+    "_device_constructors": ("torch.utils._device", "all"),
+    "_ImperativeEngine": ("torch._C", "all"),
 }
 
 #: What anydevice does on a torch without each of :data:`NAMES`.
@@ -113,6 +118,11 @@ FALLBACKS: dict[str, str] = {
     "comes is waited for until the group's timeout",
     "TorchDispatchMode": "none: ad.flops cannot count (it is torch's FlopCounterMode's base)",
     "_register_device_module": "none: the simulated accelerator cannot register its device",
+    "CURRENT_DEVICE": "CUDA programs on the simulator: torch.set_default_device('cuda') is "
+    "not mapped",
+    "_device_constructors": "CUDA programs on the simulator: torch.set_default_device('cuda') "
+    "is not mapped",
+    "_ImperativeEngine": "output.backward() (a backward right before exit may abort there)",
 }
 
 
@@ -553,3 +563,32 @@ def __getattr__(name: str) -> Any:
 
         return TorchDispatchMode
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def default_device_context() -> tuple[Any, frozenset[Any]]:
+    """The device ``torch.set_default_device`` / ``with torch.device(...)`` gives factory
+    functions that name none (None when unset), and those factory functions
+    (``torch.utils._device``'s ``CURRENT_DEVICE`` and ``_device_constructors()``); (None,
+    nothing) without them."""
+    import torch.utils._device as device_context
+
+    constructors = getattr(device_context, "_device_constructors", None)
+    return (
+        getattr(device_context, "CURRENT_DEVICE", None),
+        frozenset(constructors()) if constructors is not None else frozenset(),
+    )
+
+
+def engine_backward(output: Any) -> None:
+    """Backpropagate from the scalar ``output`` through autograd's engine itself, without
+    the context ``torch.autograd.backward`` keeps in the thread's state for the engine's
+    threads (a Python object: freeing it needs the interpreter). Without that binding,
+    ``output.backward()``."""
+    import torch
+
+    engine = getattr(_C(), "_ImperativeEngine", None)
+    if engine is None:
+        output.backward()
+        return
+    grad = torch.ones((), dtype=output.dtype, device=output.device)
+    engine().run_backward((output,), (grad,), False, False, (), True, True)
