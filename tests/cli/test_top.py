@@ -279,6 +279,7 @@ def test_keys_are_read_when_a_reading_takes_longer_than_the_interval(tmp_path):
         os.close(master)
 
 
+@pytest.mark.timeout(400)  # above its waits for the screen (120 s each), which show it
 @pytest.mark.parametrize("allowed", [False, True])
 def test_signals_need_the_flag_a_key_and_a_yes(victim, tmp_path, allowed):
     env = {"ANYDEVICE_HEARTBEAT_DIR": str(tmp_path)}
