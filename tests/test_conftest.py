@@ -21,7 +21,7 @@ def test_slow_tests_are_found_in_every_folder_of_the_suite():
     # a module's pytestmark (tests/launching/test_reaper.py: launches)
     assert "test_sigkill_to_the_launcher_leaves_nothing_the_workers_started" in slow
     # the mark above a parametrize written over several lines
-    assert "test_more_examples_run_on_the_simulator" in slow
+    assert "test_more_examples_run_on_the_simulator_under_its_own_name" in slow
     # two gloo ranks (tests/training/test_accumulation.py)
     assert "test_two_ranks_reduce_once_per_step_and_match_one_process_on_the_whole_batch" in slow
     assert "test_micro_batch_size_refuses_what_cannot_be_split" not in slow  # in-process

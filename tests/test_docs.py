@@ -195,6 +195,7 @@ def _run(group: list[tuple[str, str, list[str]]], shared: bool) -> dict[str, str
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long  # every fragment, each in its own process (make test-long)
 @pytest.mark.timeout(600)  # the groups side by side, each bounded below
 def test_every_python_snippet_in_the_readme_and_docs_runs():
     """Each block as pasted, or with exactly the names its ``# Assumes:`` line gives."""

@@ -88,6 +88,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     return Built(SOURCES, cache, result, seconds, handler.messages)
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 def test_cpp_kernel_runs_as_a_torch_op(built: Built):
     x, bias = torch.randn(33, 70), torch.randn(70)
     y = torch.ops.ad_examples.bias_gelu(x, bias)
@@ -97,6 +98,7 @@ def test_cpp_kernel_runs_as_a_torch_op(built: Built):
     assert Path(built.result).parent.parent == built.cache
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 @pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA torch builds the .cu")
 def test_cu_source_is_left_out_on_a_cpu_torch_with_one_line_saying_why(built: Built):
     lines = [m for m in built.logged if "leaving out" in m]
@@ -107,6 +109,7 @@ def test_cu_source_is_left_out_on_a_cpu_torch_with_one_line_saying_why(built: Bu
     assert not list(Path(built.result).parent.glob("*.cuda.o"))
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 @pytest.mark.cuda
 def test_cuda_kernel_is_built_for_the_gpu_here_and_runs(built: Built):
     left_out = [m for m in built.logged if "leaving out" in m]
@@ -186,6 +189,7 @@ def child(built: Built, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     return lines
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 def test_second_process_reuses_the_build_and_finds_ninja_beside_python(
     built: Built, child: dict[str, str]
 ):
@@ -194,12 +198,14 @@ def test_second_process_reuses_the_build_and_finds_ninja_beside_python(
     assert child["rebuilt"] == "False"  # nothing compiled or linked again
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 def test_missing_ninja_names_the_fix(child: dict[str, str]):
     line = child["no-ninja"]
     assert "ninja is needed to build extension 'ad_examples_bias_gelu'" in line, child
     assert "pip install ninja" in line
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 def test_missing_compiler_names_it_and_the_fix(child: dict[str, str]):
     line = child["no-compiler"]
     assert "No C++ compiler to build extension 'ad_examples_bias_gelu'" in line, child
@@ -381,6 +387,7 @@ def test_this_machines_nvcc_fits_a_torch_of_its_own_major_only():
     assert nvcc_unfit(f"{major}.0", nvcc) == nvcc.problem
 
 
+@pytest.mark.long  # a C++ build of a minute (make test-long)
 def test_a_killed_builds_lock_does_not_hang_the_next_load(built: Built):
     """torch marks a build with a ``lock`` file and waits for it to go away, forever: a
     build killed mid-way hung every later load (the simulator's tests timed out on one).

@@ -73,6 +73,7 @@ def test_a_script_with_a_race_fails_naming_the_line_and_the_fix(tmp_path: Path) 
     assert proc.stdout.splitlines() == ["[14.0]"], proc.stdout
 
 
+@pytest.mark.long  # a child run of minutes on a busy machine (make test-long)
 @pytest.mark.slow
 def test_a_race_the_script_caught_still_fails_the_run_and_warn_lets_it_pass(tmp_path: Path) -> None:
     _toolchain_or_skip()
@@ -91,6 +92,7 @@ def test_a_race_the_script_caught_still_fails_the_run_and_warn_lets_it_pass(tmp_
     assert "StreamRaceWarning: stream race: read after write" in proc.stderr, proc.stderr
 
 
+@pytest.mark.long  # a child run of minutes on a busy machine (make test-long)
 @pytest.mark.slow
 def test_a_users_test_with_a_race_fails_even_when_it_caught_it(tmp_path: Path) -> None:
     _toolchain_or_skip()

@@ -74,7 +74,8 @@ def _built() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sim", pytest.param("simgpu", marks=pytest.mark.long)])
+@pytest.mark.long  # every simulator case in a child pytest, minutes (make test-long)
+@pytest.mark.parametrize("name", ["sim", "simgpu"])
 def test_simulator_cases_in_a_child_process(name: str) -> None:
     """The cases under two names; the second selects it through ANYDEVICE_DEVICE."""
     _toolchain_or_skip()

@@ -395,6 +395,7 @@ def hidden(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.long  # saves killed at each phase (make test-long)
 @pytest.mark.timeout(180)
 def test_load_and_save_state_sweep_the_folders_of_a_killed_save(tmp_path, savers):
     folder = tmp_path / "ckpts"

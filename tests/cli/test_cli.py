@@ -237,6 +237,7 @@ def test_doctor_quick_json_measures_this_machine_within_its_budget(tmp_path):
     assert f"wrote {picture}" in out.stderr
 
 
+@pytest.mark.long  # the doctor measuring a while (make test-long)
 @pytest.mark.timeout(360)
 def test_doctor_table_prints_a_verdict_line_and_the_measurements():
     out = run("doctor", "--quick", "--device", "CPU", timeout=300)
@@ -686,6 +687,7 @@ def test_launch_of_a_missing_script_says_so(capsys):
     assert "No script 'no/such/train.py'" in capsys.readouterr().err
 
 
+@pytest.mark.long  # a whole program (make test-long)
 @pytest.mark.slow
 def test_ddp_example_runs_unchanged_in_one_process():
     code, out, err = finish(bounded([sys.executable, DDP_EXAMPLE, "--epochs", "1"], env=CPU))
@@ -694,6 +696,7 @@ def test_ddp_example_runs_unchanged_in_one_process():
     assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.8
 
 
+@pytest.mark.long  # a whole program (make test-long)
 @pytest.mark.slow
 def test_launch_runs_the_ddp_example_on_two_processes(no_process_left_behind):
     code, out, err = anydevice("launch", "-n", "2", DDP_EXAMPLE, "--epochs", "1", env=CPU)

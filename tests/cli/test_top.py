@@ -189,9 +189,10 @@ def test_a_launch_on_the_simulated_accelerator_lists_its_device_and_memory(
     tmp_path, no_process_left_behind
 ):
     # python -m anydevice.testing sets ANYDEVICE_DEVICE=sim in each worker (the launcher
-    # itself has no simulator: it must not be told to use one)
+    # itself has no simulator: it must not be told to use one); --no-cuda: under its own
+    # name (shown as CUDA, the ranks would ask for NCCL, which a CPU torch lacks)
     env = {"ANYDEVICE_HEARTBEAT_DIR": str(tmp_path / "beats")}
-    proc = launch(tmp_path, "-m", "anydevice.testing", env=env)
+    proc = launch(tmp_path, "-m", "anydevice.testing", "--no-cuda", env=env)
     pids: list[int] = []
     try:
         record = wait_for(env, stepping, "two simulator ranks stepping", timeout=400, job=proc)
@@ -227,7 +228,13 @@ def _pty_top(*args: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], 
         stdin=slave,
         stdout=slave,
         stderr=slave,
-        env={**os.environ, "TERM": "xterm", **env},
+        # The terminal's own size (220 columns), not a COLUMNS another test left behind:
+        # a narrower screen wraps the question in two lines.
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+            "TERM": "xterm",
+            **env,
+        },
         start_new_session=True,
     )
     os.close(slave)

@@ -396,6 +396,7 @@ def test_fork_start_method_launches_from_this_process():
     assert ad.launch(operator.mul, 6, 7, nprocs=2, start_method="fork") == {0: 42, 1: 42}
 
 
+@pytest.mark.long  # launches and waits of a minute (make test-long)
 @pytest.mark.slow
 def test_max_restarts_restarts_a_worker_that_fails_once():
     results = ad.launch(workers.fail_first_attempt, nprocs=2, max_restarts=1, timeout=60)
@@ -645,6 +646,7 @@ def test_an_endpoint_that_accepts_and_never_answers_fails_within_the_timeout():
     assert elapsed >= 5
 
 
+@pytest.mark.long  # launches and waits of a minute (make test-long)
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # each wait below kills what hangs
 def test_a_store_that_stops_answering_fails_its_request_within_the_timeout(tmp_path):

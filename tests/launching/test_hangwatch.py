@@ -230,6 +230,7 @@ def stop_when_deadlocked(proc: subprocess.Popen[str], beats: Path) -> None:
     os.kill(proc.pid, signal.SIGTERM)
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_a_mismatched_collective_stops_the_job_with_both_lines(launches):
     tmp, code, _, err, ended = launches["mismatch"]
     assert code == 1, err
@@ -245,6 +246,7 @@ def test_a_mismatched_collective_stops_the_job_with_both_lines(launches):
     assert "makes no progress" not in err  # said once: as the launch's failure
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_a_rank_stuck_before_a_collective_is_named_while_the_job_goes_on(launches):
     tmp, code, _, err, ended = launches["stall"]
     script = str(tmp / "job.py")
@@ -266,6 +268,7 @@ def test_a_rank_stuck_before_a_collective_is_named_while_the_job_goes_on(launche
     assert ended - hang_started(tmp) < 60
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_a_rank_stuck_holding_the_gil_is_found_by_its_stack(launches):
     tmp, code, _, err, _ = launches["gil"]
     script = str(tmp / "job.py")
@@ -279,6 +282,7 @@ def test_a_rank_stuck_holding_the_gil_is_found_by_its_stack(launches):
     assert code == 1, err
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_a_slow_rank_within_the_gaps_the_job_showed_is_not_judged(launches):
     _, code, out, err, _ = launches["slow"]
     assert code == 0, err
@@ -286,6 +290,7 @@ def test_a_slow_rank_within_the_gaps_the_job_showed_is_not_judged(launches):
     assert "makes no progress" not in err, err
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_a_rank_killed_while_waited_for_is_named_gone_in_the_failure(launches):
     tmp, code, out, err, ended = launches["kill"]
     assert code == 0, err
@@ -303,6 +308,7 @@ def test_a_rank_killed_while_waited_for_is_named_gone_in_the_failure(launches):
     assert ended - hang_started(tmp) < 60
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_stopping_a_deadlocked_job_prints_the_deadlock_of_both_groups(launches):
     """Default --hang-after (30 s): the job is stopped (SIGTERM) before the watch would
     speak; the verdict of that moment is printed then."""
@@ -318,6 +324,7 @@ def test_stopping_a_deadlocked_job_prints_the_deadlock_of_both_groups(launches):
     assert err.rstrip().endswith("anydevice launch: stopped by SIGTERM; the workers were stopped.")
 
 
+@pytest.mark.long  # eight launches at once (make test-long)
 def test_two_nodes_stop_a_mismatch_with_one_verdict(launches):
     """The verdict covers the ranks of both nodes, and one node prints it."""
     ended = [launches["node0"], launches["node1"]]

@@ -188,6 +188,7 @@ while True:
 """
 
 
+@pytest.mark.long  # launches and waits of a minute (make test-long)
 def test_sigkill_to_the_launcher_ends_daemons_started_with_an_empty_environment(tmp_path):
     """SIGKILL to the launcher while both workers keep starting daemons that nothing
     marks: those started since the guardian's last look went to init and lived on (4 of
@@ -230,6 +231,7 @@ def test_sigkill_to_the_launcher_ends_daemons_started_with_an_empty_environment(
         _kill(daemons + [int(p.read_text()) for p in folder.glob("*.pid")] + workers)
 
 
+@pytest.mark.long  # launches and waits of a minute (make test-long)
 def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preemption(
     tmp_path,
 ):

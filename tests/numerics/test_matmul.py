@@ -347,6 +347,7 @@ FRESH = textwrap.dedent(
 )
 
 
+@pytest.mark.long  # a fresh interpreter per case (make test-long)
 @pytest.mark.slow
 @pytest.mark.parametrize("generic", ["none", "ieee"])
 def test_torchs_initial_cudnn_state_survives_the_block(generic: str) -> None:
