@@ -375,6 +375,49 @@ def test_the_node_that_stops_a_mismatch_waits_until_the_other_nodes_saw_it():
         waited.join(timeout=60)
 
 
+def test_a_rank_is_asked_for_its_stack_only_once_it_listens(tmp_path):
+    """The live signal is a real-time one: a process without its handler (a worker still
+    starting, before the runner installed it) is ended by it, not asked (rank 1 of a
+    launch died of signal 37 so on a busy machine)."""
+    from anydevice.launching import progress
+    from anydevice.launching.hangwatch import HangWatch
+
+    code = (
+        "import faulthandler, sys, time\n"
+        "from anydevice.launching import progress\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "dump = progress.live_stacks_file(sys.argv[1], 1)\n"
+        "dump.parent.mkdir(parents=True, exist_ok=True)\n"
+        "faulthandler.register(progress.LIVE_SIGNAL, file=dump.open('a'), all_threads=True)\n"
+        "print('listening', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == "up\n"
+        watch = HangWatch(5.0, launch_dir=str(tmp_path))
+        progress.live_stacks_file(tmp_path, 1).parent.mkdir(parents=True)
+        assert watch._ask_stack(1, child.pid) is None
+        time.sleep(0.5)
+        assert child.poll() is None  # not ended by the signal
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "listening\n"
+        assert progress.LIVE_SIGNAL is not None
+        watch._ask_stack(1, child.pid)  # frames of a -c script are not a user's file
+        assert child.poll() is None
+        dumped = progress.live_stacks_file(tmp_path, 1).read_text()
+        assert 'File "<string>", line 9 in <module>' in dumped, dumped  # time.sleep(600)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+
+
 def test_how_a_process_ended_is_read_while_it_is_a_zombie():
     from anydevice.launching.hangwatch import _ended
 

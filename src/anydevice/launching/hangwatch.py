@@ -292,6 +292,8 @@ class HangWatch:
     def _ask_stack(self, rank: int, pid: int) -> tuple[str, str, tuple[str, ...]] | None:
         if self.launch_dir is None or progress.LIVE_SIGNAL is None:
             return None
+        if not _catches(pid, progress.LIVE_SIGNAL):
+            return None  # not (yet, or any more) listening: the signal would end it
         path = progress.live_stacks_file(self.launch_dir, rank)
         try:
             path.write_text("")
@@ -489,6 +491,17 @@ class HangWatch:
 
 
 # ----------------------------------------------------------------------------- internals
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (``SigCgt`` of /proc/<pid>/status):
+    a real-time signal it does not catch ends it. False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+        return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
 
 
 def _waits(s: RankState, seconds: float) -> bool:
