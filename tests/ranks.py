@@ -7,6 +7,9 @@ interpreter costs seconds (importing torch). Each rank writes its result, or its
 traceback, to a file; a rank that does not finish in time is killed and fails the test.
 
 ``process_tree_guard`` is the fixture-side check that a test left no child running.
+``start_job``/``finish_job`` run a launcher or a script in its own session, so that a
+test that times out kills its whole tree, and ``still_running`` says which of a job's
+processes outlived it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
@@ -219,3 +225,49 @@ def process_tree_guard(grace: float = 15.0) -> Iterator[None]:
         except psutil.NoSuchProcess:
             pass
     assert not left, f"processes left behind: {sorted(left)}"
+
+
+#: A launched job's environment in these tests: the CPU, one thread per process.
+CPU_JOB = {"ANYDEVICE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+
+
+def start_job(argv: list[str], tmp: Path, **env: str) -> subprocess.Popen[str]:
+    """``argv`` in its own session (a timeout kills its whole tree), on the CPU, with
+    ``TMPDIR`` in ``tmp`` (to see what it leaves there), its output piped."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **CPU_JOB, "TMPDIR": str(tmp), **env},
+    )
+
+
+def launch_job(tmp: Path, *args: str, **env: str) -> subprocess.Popen[str]:
+    """``anydevice launch *args`` as ``start_job`` starts it."""
+    return start_job([sys.executable, "-m", "anydevice", "launch", *args], tmp, **env)
+
+
+def finish_job(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a job ``start_job`` started; on timeout its whole
+    session is killed and the test fails with what it printed to stderr."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        raise AssertionError(f"{proc.args} did not finish within {timeout} s:\n{err}") from None
+    return proc.returncode, out, err
+
+
+def still_running(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie waiting to be reaped has ended)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive

@@ -18,15 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import anydevice as ad
 import workers
 from anydevice.launching.failures import flight_summary, is_consequence, read_stacks, record
-from ranks import free_port, process_tree_guard
-
-CPU = {"ANYDEVICE_DEVICE": "cpu"}
+from ranks import finish_job, free_port, launch_job, process_tree_guard, start_job, still_running
 
 #: Launches side by side on a loaded machine can take minutes to import torch everywhere;
 #: each process is bounded by its own, tighter, timeout below.
@@ -120,32 +117,10 @@ def no_process_left_behind():
         yield
 
 
-def start(argv: list[str], tmp: Path, **env: str) -> subprocess.Popen[str]:
-    """``argv`` in its own session, with ``TMPDIR`` in ``tmp`` (to see what it leaves)."""
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **CPU, "TMPDIR": str(tmp), **env},
-    )
-
-
-def launch_cli(tmp: Path, *args: str) -> subprocess.Popen[str]:
-    return start([sys.executable, "-m", "anydevice", "launch", *args], tmp)
-
-
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, seconds waited); the whole session is killed on timeout."""
     t = time.perf_counter()
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within {timeout} s") from None
-    return proc.returncode, out, err, time.perf_counter() - t
+    return (*finish_job(proc, timeout), time.perf_counter() - t)
 
 
 def wait_for_pids(folder: Path, count: int, proc: subprocess.Popen[str]) -> list[int]:
@@ -155,18 +130,6 @@ def wait_for_pids(folder: Path, count: int, proc: subprocess.Popen[str]) -> list
         assert time.monotonic() < deadline, "the workers did not start"
         time.sleep(0.1)
     return [int(p.read_text()) for p in folder.glob("*.pid")]
-
-
-def running(pids: list[int]) -> list[int]:
-    """Those of ``pids`` still running (a zombie waiting to be reaped has ended)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def left_behind(tmp: Path, grace: float = 5.0) -> list[str]:
@@ -195,7 +158,10 @@ def hung(tmp_path_factory):
     cli.mkdir()
     api.mkdir()
     with process_tree_guard():
-        procs = [launch_cli(cli, "-n", "3", str(script)), start([sys.executable, str(driver)], api)]
+        procs = [
+            launch_job(cli, "-n", "3", str(script)),
+            start_job([sys.executable, str(driver)], api),
+        ]
         (code, out, err, took), in_python = (finish(p, timeout=150) for p in procs)
     return {
         "code": code, "out": out, "err": err, "took": took, "tmp": cli, "script": script,
@@ -271,14 +237,14 @@ def test_the_launcher_killed_or_stopped_takes_every_worker_with_it(tmp_path):
     }.items():
         folder = tmp_path / name
         (folder / "pids").mkdir(parents=True)
-        proc = start(
+        proc = start_job(
             [sys.executable, "-m", "anydevice", *argv, str(script), str(folder / "pids")],
             folder,
         )
         runs[name] = (folder, proc, 2 if name == "SIGKILL" else 1)
     api = tmp_path / "api"
     (api / "pids").mkdir(parents=True)
-    in_python = start([sys.executable, str(driver), str(api / "pids")], api)
+    in_python = start_job([sys.executable, str(driver), str(api / "pids")], api)
     pids = {
         name: wait_for_pids(folder / "pids", n, proc) for name, (folder, proc, n) in runs.items()
     }
@@ -292,9 +258,9 @@ def test_the_launcher_killed_or_stopped_takes_every_worker_with_it(tmp_path):
     code, _, err, took = ended["SIGKILL"]
     assert code == -signal.SIGKILL
     deadline = time.monotonic() + 5
-    while running(pids["SIGKILL"]) and time.monotonic() < deadline:
+    while still_running(pids["SIGKILL"]) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert running(pids["SIGKILL"]) == [], "workers outlived the launcher by 5 s"
+    assert still_running(pids["SIGKILL"]) == [], "workers outlived the launcher by 5 s"
     assert "leaked semaphore" not in err
     for name, expected in (("SIGTERM", 143), ("SIGINT", 130)):
         code, _, err, took = ended[name]
@@ -306,10 +272,10 @@ def test_the_launcher_killed_or_stopped_takes_every_worker_with_it(tmp_path):
             f"anydevice launch: {'stopped by SIGTERM' if expected == 143 else 'interrupted'}"
         ), err
         assert all(line.startswith("anydevice: waiting up to 30 s") for line in before), err
-        assert running(pids[name]) == []
+        assert still_running(pids[name]) == []
         assert took < 15
     assert (api_code, api_out.strip()) == (7, "KeyboardInterrupt"), api_err
-    assert running(api_workers) == []
+    assert still_running(api_workers) == []
     for name, (folder, _, _) in runs.items():
         assert left_behind(folder) == [], name
     assert left_behind(api) == []
@@ -351,8 +317,8 @@ def test_the_raising_rank_is_named_in_every_run(tmp_path):
     folders = [tmp_path / "cli", tmp_path / "api"]
     for folder in folders:
         folder.mkdir()
-    procs = [launch_cli(folders[0], "-n", "2", str(script))]
-    in_python = start([sys.executable, str(driver)], folders[1])
+    procs = [launch_job(folders[0], "-n", "2", str(script))]
+    in_python = start_job([sys.executable, str(driver)], folders[1])
     for proc in procs:
         code, _, err, _ = finish(proc, timeout=120)
         assert code == 1, err

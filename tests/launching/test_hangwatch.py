@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 
 from anydevice import heartbeat
-from ranks import free_port, process_tree_guard
+from ranks import finish_job, free_port, process_tree_guard, start_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
-CPU = {"ANYDEVICE_DEVICE": "cpu"}
 
 #: Rank 0 runs a 4th all_reduce while rank 1 runs a broadcast.
 MISMATCH = """\
@@ -125,35 +124,18 @@ def no_process_left_behind():
         yield
 
 
-def start(argv: list[str], tmp: Path, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **CPU, "TMPDIR": str(tmp), **env},
-    )
-
-
 def launch(tmp: Path, script: str, *args: str, **env: str) -> subprocess.Popen[str]:
     path = tmp / "job.py"
     path.write_text(script)
     notes = tmp / "notes"
     notes.mkdir()
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", *args, str(path), str(notes)]
-    return start(argv, tmp, **env)
+    return start_job(argv, tmp, **env)
 
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, time of the exit); the session is killed on timeout."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within {timeout} s:\n{err}") from None
-    return proc.returncode, out, err, time.time()
+    return (*finish_job(proc, timeout), time.time())
 
 
 def line_of(script: str, mark: str) -> int:
@@ -185,7 +167,7 @@ def launches(tmp_path_factory):
             "stall": launch(folders["stall"], STALL, "--hang-after", "3"),
             "gil": launch(folders["gil"], GIL, "--hang-after", "3"),
             "slow": launch(folders["slow"], SLOW, "--hang-after", "2"),
-            "kill": start(
+            "kill": start_job(
                 [sys.executable, str(driver), str(folders["kill"] / "notes")], folders["kill"]
             ),
             "deadlock": launch(folders["deadlock"], DEADLOCK, ANYDEVICE_HEARTBEAT_DIR=str(beats)),
@@ -212,7 +194,7 @@ def two_nodes(root: Path, *folders: Path) -> dict[str, subprocess.Popen[str]]:
             str(node), "--rdzv-endpoint", endpoint, "-n", "1", "--hang-after", "5",
             "--timeout", "120", str(script), str(folder / "notes"),
         ]  # fmt: skip
-        procs[f"node{node}"] = start(argv, folder)
+        procs[f"node{node}"] = start_job(argv, folder)
     return procs
 
 

@@ -10,17 +10,13 @@ import re
 import select
 import signal
 import socket
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from anydevice.launching.output import PIPE_BUF, WholeLines
-from ranks import process_tree_guard
-
-CPU = {"ANYDEVICE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+from ranks import process_tree_guard, start_job
 
 #: ``rank R line N`` and ``rank R err N``, each alone on its line.
 WHOLE = re.compile(r"rank \d (line|err) \d+")
@@ -160,20 +156,9 @@ if __name__ == "__main__":
 """
 
 
-def _launch(argv: list[str], tmp: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **CPU, "TMPDIR": str(tmp)},
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_every_rank_line_arrives_whole_under_anydevice_launch_and_ad_launch(tmp_path):
+def test_every_rank_line_arrives_whole_under_anydevice_launch_and_adstart_job(tmp_path):
     """2198–3096 of 4000 lines arrived merged under `anydevice launch` ("rank 1 line
     0rank 0 line 51"): `python -u` wrote each line's text and newline apart."""
     script, driver = tmp_path / "lines.py", tmp_path / "driver.py"
@@ -187,7 +172,7 @@ def test_every_rank_line_arrives_whole_under_anydevice_launch_and_ad_launch(tmp_
         }.items():
             folder = tmp_path / name
             folder.mkdir()
-            runs[name] = _launch([*argv, str(folder)], folder)
+            runs[name] = start_job([*argv, str(folder)], folder)
         ended = {}
         for name, proc in runs.items():
             try:

@@ -16,11 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ranks import process_tree_guard
+from ranks import process_tree_guard, start_job, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CPU = {"ANYDEVICE_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
 
 #: Each rank starts three processes that would outlive it (sleep 600 s each: far longer than
 #: any launch, on however busy a machine, so a launch held open by them times out), writes their
@@ -71,18 +70,6 @@ with ad.distributed(timeout=60, on_preempt=save) as d:
 """
 
 
-def _start(argv: list[str], tmp: Path, **kw: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, **CPU, "TMPDIR": str(tmp)},
-        **kw,  # type: ignore[call-overload]
-    )
-
-
 def _grandchildren(folder: Path, ranks: int, proc: subprocess.Popen[str]) -> list[int]:
     deadline = time.monotonic() + 150
     while len(list(folder.glob("*.pids"))) < ranks:
@@ -93,27 +80,16 @@ def _grandchildren(folder: Path, ranks: int, proc: subprocess.Popen[str]) -> lis
     return [int(p) for f in folder.glob("*.pids") for p in f.read_text().split()]
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def _kill(pids: list[int]) -> None:
-    for pid in _alive(pids):
+    for pid in still_running(pids):
         os.kill(pid, signal.SIGKILL)
 
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
-    while _alive(pids) and time.monotonic() < deadline:
+    while still_running(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return _alive(pids)
+    return still_running(pids)
 
 
 def test_a_launch_piped_to_cat_ends_with_its_workers_and_ends_what_they_started(tmp_path):
@@ -125,7 +101,7 @@ def test_a_launch_piped_to_cat_ends_with_its_workers_and_ends_what_they_started(
     folder = tmp_path / "pids"
     folder.mkdir()
     line = f"{sys.executable} -m anydevice launch -n 2 {script} {folder} exit | cat"
-    proc = _start(["bash", "-o", "pipefail", "-c", line], tmp_path)
+    proc = start_job(["bash", "-o", "pipefail", "-c", line], tmp_path)
     left: list[int] = []
     try:
         out, err = proc.communicate(timeout=150)  # the sleeps would hold it open for 600 s
@@ -148,7 +124,7 @@ def test_sigkill_to_the_launcher_leaves_nothing_the_workers_started(tmp_path):
     folder = tmp_path / "pids"
     folder.mkdir()
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(folder)]
-    proc = _start([*argv, "wait"], tmp_path)
+    proc = start_job([*argv, "wait"], tmp_path)
     kids: list[int] = []
     try:
         with process_tree_guard():
@@ -199,7 +175,7 @@ def test_sigkill_to_the_launcher_ends_daemons_started_with_an_empty_environment(
     folder = tmp_path / "pids"
     folder.mkdir()
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(folder)]
-    proc = _start(argv, tmp_path)
+    proc = start_job(argv, tmp_path)
     daemons: list[int] = []
     workers: list[int] = []
     try:
@@ -242,7 +218,7 @@ def test_sigterm_to_the_launcher_gives_a_slow_save_its_grace_and_reports_a_preem
     script.write_text(SLOW_SAVE)
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", "--grace", "300", str(script),
             str(tmp_path)]  # fmt: skip
-    proc = _start([*argv, "8"], tmp_path)
+    proc = start_job([*argv, "8"], tmp_path)
     try:
         _wait_for_training(proc)
         signalled = time.monotonic()
@@ -287,7 +263,7 @@ def test_the_rank_that_failed_first_is_named_with_its_own_error_and_pid_and_fram
     script = tmp_path / "closed.py"
     script.write_text(CLOSED_STDOUT)
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script)]
-    proc = _start(argv, tmp_path)
+    proc = start_job(argv, tmp_path)
     try:
         _, err = proc.communicate(timeout=150)
     finally:
@@ -318,7 +294,7 @@ def test_a_preemption_signal_to_one_rank_is_reported_as_a_preemption(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SLOW_SAVE)
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script), str(tmp_path)]
-    proc = _start([*argv, "0"], tmp_path)
+    proc = start_job([*argv, "0"], tmp_path)
     try:
         _wait_for_training(proc)
         os.kill(int((tmp_path / "rank1.pid").read_text()), signal.SIGTERM)
@@ -356,7 +332,7 @@ def test_ad_launch_sees_its_worker_end_although_a_daemon_it_started_runs_on(tmp_
     when the worker does, and the daemon is ended with the launch."""
     script = tmp_path / "daemon.py"
     script.write_text(AD_DAEMON)
-    proc = _start([sys.executable, str(script)], tmp_path)
+    proc = start_job([sys.executable, str(script)], tmp_path)
     try:
         out, err = proc.communicate(timeout=150)
     finally:
