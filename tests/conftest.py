@@ -12,13 +12,20 @@ The CUDA check reads NVML through anydevice's own inventory, so it neither initi
 in the pytest process nor fakes anything: on a machine without a GPU the tests are skipped.
 torch_xla is looked for without importing it, and imported only where it is installed
 (``scripts/xla-check.sh`` builds such an environment).
+
+Heartbeats go to a folder of the run's own (``ANYDEVICE_HEARTBEAT_DIR``): the machine's
+shared one holds other jobs' heartbeats, which a reading of this machine (``anydevice
+top``, the GPU watch) rightly shows.
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,17 @@ WORLDS = frozenset(
         "test_progress.py",
     }
 )
+
+
+#: This process's heartbeat folder; set again before each test (a doctest's example unsets it).
+HEARTBEATS = tempfile.mkdtemp(prefix="anydevice-test-heartbeats-")
+os.environ["ANYDEVICE_HEARTBEAT_DIR"] = HEARTBEATS
+atexit.register(shutil.rmtree, HEARTBEATS, ignore_errors=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    os.environ["ANYDEVICE_HEARTBEAT_DIR"] = HEARTBEATS
 
 
 @functools.cache
