@@ -13,6 +13,10 @@ in the pytest process nor fakes anything: on a machine without a GPU the tests a
 torch_xla is looked for without importing it, and imported only where it is installed
 (``scripts/xla-check.sh`` builds such an environment).
 
+SIGINT has its default meaning for the tests' processes: a run started in the background
+by a shell without job control inherits it ignored, and the tests of Ctrl-C would send
+their children a signal they never see.
+
 Heartbeats go to a folder of the run's own (``ANYDEVICE_HEARTBEAT_DIR``): the machine's
 shared one holds other jobs' heartbeats, which a reading of this machine (``anydevice
 top``, the GPU watch) rightly shows.
@@ -25,6 +29,7 @@ import atexit
 import functools
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,9 @@ WORLDS = frozenset(
     }
 )
 
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: This process's heartbeat folder; set again before each test (a doctest's example unsets it).
 HEARTBEATS = tempfile.mkdtemp(prefix="anydevice-test-heartbeats-")

@@ -393,7 +393,20 @@ def test_a_missing_node_times_out_within_the_configured_time():
 
 @pytest.mark.slow
 def test_fork_start_method_launches_from_this_process():
-    assert ad.launch(operator.mul, 6, 7, nprocs=2, start_method="fork") == {0: 42, 1: 42}
+    """From a fresh interpreter: workers forked from this test process would inherit what
+    earlier tests left in it (threads, process groups), and a rank once died of SIGSEGV
+    collecting that garbage, which is the hazard of fork, not of the launch."""
+    code = (
+        "import operator, anydevice as ad\n"
+        "if __name__ == '__main__':\n"
+        "    print(ad.launch(operator.mul, 6, 7, nprocs=2, start_method='fork'))\n"
+    )
+    env = {**os.environ, "ANYDEVICE_DEVICE": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "{0: 42, 1: 42}", proc.stdout
 
 
 @pytest.mark.long  # launches and waits of a minute (make test-long)
