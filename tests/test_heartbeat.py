@@ -213,3 +213,36 @@ def test_a_watcher_sets_the_time_entered_the_count_done_and_its_tick(where: Path
         assert out.collective is None and out.collectives_done == 43
     finally:
         beat.close()
+
+
+def test_a_new_record_clears_only_the_long_ended_ones(
+    where: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed process's record stays for readers (how it ended), until a process making
+    its record finds it older than ``KEPT_AFTER_EXIT``; a running process's record stays."""
+    code = """
+        import sys
+        from anydevice import heartbeat
+        heartbeat.mine().step()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        """
+    killed, running = _child(code, where), _child(code, where)
+    try:
+        for child in (killed, running):
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        killed.kill()
+        killed.wait(timeout=60)
+        fresh = hb.Heartbeat.create(where=where)  # the killed one's record is recent
+        assert {b.pid for b in hb.read_all(where, prune=False)} == {
+            killed.pid, running.pid, os.getpid()
+        }  # fmt: skip
+        fresh.close()
+        monkeypatch.setattr(hb, "KEPT_AFTER_EXIT", 0.0)
+        later = hb.Heartbeat.create(where=where)
+        assert {b.pid for b in hb.read_all(where, prune=False)} == {running.pid, os.getpid()}
+        later.close()
+    finally:
+        for child in (killed, running):
+            child.kill()
+            child.wait(timeout=60)

@@ -14,7 +14,10 @@ each change at once, and a process that dies leaves its last state behind, which
 a reader wants to see. Each record is a file of :data:`SIZE` bytes in :func:`folder`
 (``/dev/shm/anydevice-<uid>`` where it exists, else the runtime or temporary folder;
 ``ANYDEVICE_HEARTBEAT_DIR`` chooses another), named ``<pid>.beat``, removed when its
-process exits normally.
+process exits normally. A killed process's record stays for readers to see how it ended;
+a process making its record removes those of ended processes last written to more than
+:data:`KEPT_AFTER_EXIT` seconds ago (without that, every killed worker left 4 KiB of
+shared memory behind until a reboot).
 
 Consistency: the writer bumps a sequence number to odd before it writes and to even
 after (a seqlock); a reader copies the record and retries while the number was odd or
@@ -112,6 +115,10 @@ _WATCHED = struct.Struct("<d")  # at 184
 _TEXT_LEN = struct.Struct("<I")  # at 256
 _TEXT_AT = 260
 _RATE_WINDOW = 10.0  # seconds the steps-per-second average spans
+
+#: Seconds a record of a process that has ended stays after its last write, for readers
+#: to see how it ended (``anydevice top``, ``save_state`` naming a rank that died).
+KEPT_AFTER_EXIT = 3600.0
 
 
 @dataclass(frozen=True)
@@ -234,6 +241,7 @@ class Heartbeat:
         who = (os.getpid(), 0, time.time(), ticks, rank, local_rank, world_size, local_world_size)
         _WHO.pack_into(mm, 16, *who)
         beat.describe(**(details or {}))
+        _remove_long_ended(place, os.getpid())
         return beat
 
     def identify(
@@ -427,6 +435,22 @@ def read_all(where: Path | None = None, *, prune: bool = True) -> list[Beat]:
         if prune and not beat.alive:
             path.unlink(missing_ok=True)
     return sorted(out, key=lambda b: b.pid)
+
+
+def _remove_long_ended(place: Path, me: int) -> None:
+    """Remove the records of processes that ended more than :data:`KEPT_AFTER_EXIT`
+    seconds after their last write (a record's times are its process's last words)."""
+    now = time.time()
+    for path in _files(place):
+        if path.name == f"{me}{_SUFFIX}":
+            continue
+        beat = read_file(path)
+        if beat is None or beat.alive:
+            continue
+        entered = beat.collective.entered if beat.collective else 0.0
+        last = max(beat.created, beat.last_step, beat.memory_read_at, beat.watched, entered)
+        if now - last > KEPT_AFTER_EXIT:
+            path.unlink(missing_ok=True)
 
 
 def _files(place: Path) -> Iterator[Path]:
