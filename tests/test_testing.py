@@ -168,6 +168,23 @@ def test_the_first_build_says_so_before_and_after_at_the_default_level(
     assert re.fullmatch(r"anydevice.testing: built the simulated accelerator in \d+ s", after)
 
 
+def test_the_build_cache_key_holds_every_file_the_sources_include() -> None:
+    """A file the two sources include but DEPENDS leaves out changes without a rebuild:
+    the cached library goes on running its old code."""
+    from anydevice.testing import simulator as sim
+
+    included: set[str] = set()
+    todo = list(sim.SOURCES)
+    while todo:
+        text = todo.pop().read_text()
+        for name in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+            if name not in included:
+                included.add(name)
+                todo.append(sim.SOURCES[0].with_name(name))
+    assert {"kernels.cpp", "pinned.cpp", "races.h"} <= included
+    assert included == {p.name for p in sim.DEPENDS}
+
+
 def test_settings_need_the_simulator() -> None:
     with pytest.raises(testing.SimulatorError, match=r"anydevice.testing.enable\(\) first"):
         testing.busy(0.1)
