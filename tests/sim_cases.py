@@ -704,6 +704,55 @@ def test_losses_match_the_cpu_without_warnings() -> None:
         assert on.device == dev() and torch.allclose(on.cpu(), loss(a, b))
 
 
+#: Recurrent layers, their arguments, and which of their outputs the loss uses.
+RECURRENT: list[tuple[str, dict[str, object], str]] = [
+    ("LSTM", {"num_layers": 2}, "all"),
+    ("LSTM", {"bias": False}, "all"),
+    ("LSTM", {}, "output"),  # the final cell state unused: no gradient reaches it
+    ("LSTM", {}, "cell"),  # only the final cell state used: no gradient for hy
+    ("GRU", {"num_layers": 2}, "all"),
+    ("GRU", {"bias": False}, "all"),
+    ("LSTMCell", {}, "all"),
+    ("GRUCell", {"bias": False}, "all"),
+]
+
+
+def test_recurrent_layers_give_the_cpus_outputs_and_gradients() -> None:
+    """torch sends a GPU's LSTM and GRU to fused cell kernels that only CUDA has; the
+    device runs them (pytorch/examples' word language model is an LSTM)."""
+    for kind, kwargs, use in RECURRENT:
+        case = f"{kind}({kwargs}), loss on {use}"
+        torch.manual_seed(0)
+        cpu = getattr(torch.nn, kind)(5, 4, **kwargs).double()
+        on = getattr(torch.nn, kind)(5, 4, **kwargs).double()
+        on.load_state_dict(cpu.state_dict())
+        on.to(dev())
+        cell = kind.endswith("Cell")
+        x = torch.randn(3, 5).double() if cell else torch.randn(6, 3, 5).double()
+
+        def loss(module: torch.nn.Module, inputs: torch.Tensor, use: str = use) -> torch.Tensor:
+            out = module(inputs)
+            if isinstance(module, torch.nn.GRUCell):
+                terms = [out]
+            elif isinstance(module, torch.nn.LSTMCell):
+                terms = list(out)  # (h, c)
+            else:
+                output, state = out
+                h, c = state if isinstance(module, torch.nn.LSTM) else (state, None)
+                terms = {"all": [output, h, c], "output": [output], "cell": [c]}[use]
+            return sum((t * t.cos()).sum() for t in terms if t is not None)
+
+        expected = loss(cpu, x)
+        expected.backward()
+        got = loss(on, x.to(dev()))
+        got.backward()
+        assert got.device == dev(), case
+        assert torch.allclose(got.cpu(), expected, rtol=1e-12), case
+        for (name, a), b in zip(cpu.named_parameters(), on.parameters(), strict=True):
+            assert b.grad is not None and b.grad.device == dev(), (case, name)
+            assert torch.allclose(b.grad.cpu(), a.grad, rtol=1e-10, atol=1e-12), (case, name)
+
+
 def test_busy_refuses_a_device_the_simulator_does_not_have() -> None:
     import math
 

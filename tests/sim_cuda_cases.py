@@ -310,6 +310,26 @@ def test_autocast_and_grad_scaler_as_written_for_cuda(sim_cuda) -> None:
     assert torch.equal(model.weight.detach(), before) and scaler.get_scale() == 32768.0
 
 
+def test_autocast_takes_any_dtype_as_on_a_gpu(sim_cuda, recwarn) -> None:
+    """CUDA's autocast runs with float32 too (nanoGPT's --dtype=float32 asks for it);
+    the simulator's own check of dtypes would warn, naming itself, and turn it off."""
+    with torch.autocast("cuda", dtype=torch.float32):
+        assert torch.is_autocast_enabled("cuda")
+        assert torch.get_autocast_dtype("cuda") == torch.float32
+    torch.set_autocast_dtype("cuda", torch.float32)
+    try:
+        with torch.autocast("cuda"):  # the dtype set before, float32
+            assert torch.is_autocast_enabled("cuda")
+            assert torch.get_autocast_dtype("cuda") == torch.float32
+    finally:
+        torch.set_autocast_dtype("cuda", torch.float16)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=False):
+        assert not torch.is_autocast_enabled("cuda")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # other devices' as torch has them
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
+    assert not [str(w.message) for w in recwarn if "autocast" in str(w.message)]
+
+
 def test_module_to_keeps_parameters_an_optimizer_was_made_with(sim_cuda) -> None:
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

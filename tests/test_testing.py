@@ -168,6 +168,53 @@ def test_the_first_build_says_so_before_and_after_at_the_default_level(
     assert re.fullmatch(r"anydevice.testing: built the simulated accelerator in \d+ s", after)
 
 
+def test_the_build_cache_key_holds_every_file_the_sources_include() -> None:
+    """A file the two sources include but DEPENDS leaves out changes without a rebuild:
+    the cached library goes on running its old code."""
+    from anydevice.testing import simulator as sim
+
+    included: set[str] = set()
+    todo = list(sim.SOURCES)
+    while todo:
+        text = todo.pop().read_text()
+        for name in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+            if name not in included:
+                included.add(name)
+                todo.append(sim.SOURCES[0].with_name(name))
+    assert {"kernels.cpp", "pinned.cpp", "races.h"} <= included
+    assert included == {p.name for p in sim.DEPENDS}
+
+
+@pytest.mark.slow
+def test_a_script_imports_the_modules_beside_it_from_any_working_directory(
+    tmp_path: Path,
+) -> None:
+    """As under ``python path/to/train.py``: sys.path[0] is the script's folder (public
+    training scripts import their model.py and data.py so), not the working directory."""
+    _toolchain_or_skip()
+    folder = tmp_path / "program"
+    folder.mkdir()
+    (folder / "helper.py").write_text("WHERE = 'beside the script'\n")
+    (folder / "main.py").write_text(
+        "import os, sys\nimport helper\n"
+        "print(helper.WHERE, sys.path[0] == os.path.dirname(__file__))\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for cuda in ("--cuda", "--no-cuda"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "anydevice.testing", cuda, str(folder / "main.py")],
+            cwd=elsewhere,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "beside the script True", proc.stdout
+
+
 def test_settings_need_the_simulator() -> None:
     with pytest.raises(testing.SimulatorError, match=r"anydevice.testing.enable\(\) first"):
         testing.busy(0.1)

@@ -6,8 +6,9 @@ devices (:func:`anydevice.testing.simulate_cuda`). With ``--no-cuda`` the simula
 its own name (``sim``): ``ANYDEVICE_DEVICE`` is set to it unless already set, so
 ``ad.device()`` picks it, and ``torch.cuda`` is left alone. ``--name``, ``--bandwidth``,
 ``--capacity`` and ``--races`` are :func:`anydevice.testing.enable`'s. The script runs as
-``__main__`` with the arguments after it; processes it starts do not have the simulator
-(torch registers a backend per process).
+``__main__`` with the arguments after it, and ``sys.path[0]`` its directory, as ``python
+script.py`` sets it (so it imports the modules beside it from any working directory);
+processes it starts do not have the simulator (torch registers a backend per process).
 
 A stream race fails the run: with ``--races raise`` (the default) it raises
 :class:`~anydevice.testing.StreamRaceError` at the racing line, and a race the script
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ns = parser.parse_args(argv)
     sys.argv = [ns.script, *ns.args]
+    _path_first(ns.script)
     code: str | int | None = 0
     try:
         if ns.cuda:
@@ -85,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         code = 1
     sys.exit(code)
+
+
+def _path_first(script: str) -> None:
+    """``sys.path[0]`` as ``python script.py`` sets it: the script's directory, links
+    resolved, where ``-m`` put the working directory (``-P``, Python 3.11's, puts neither)."""
+    if os.path.isfile(script) and not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
 
 
 if __name__ == "__main__":

@@ -915,6 +915,7 @@ void register_kernels() {
   aten->impl("set_.source_Storage", set_storage);
   aten->impl("set_.source_Storage_storage_offset", set_storage_offset);
   aten->impl("record_stream", record_stream);
+  register_recurrent_cells(*aten);  // nn.LSTM and nn.GRU: kernels CUDA has and the CPU lacks
   // torch.autocast on this device runs, and casts nothing: ops keep their dtypes (the
   // simulator models no reduced-precision units).
   auto* autocast = new torch::Library(torch::Library::IMPL, "_",

@@ -4,6 +4,7 @@
 //                the hooks (pinned memory, generators), pinned host memory
 //   memory.cpp   the caching device allocator (CUDA's stream rules)
 //   kernels.cpp  the aten kernels: asynchronous kernels on the workers, copies, views
+//   recurrent_cells.cpp  the fused LSTM and GRU cells (CUDA has kernels for them, the CPU not)
 //   races.h/.cpp the stream race detector (any device; see races.h)
 //   module.cpp   the Python module: controls, and the detector's Python side
 //

@@ -1,8 +1,9 @@
 """The simulated accelerator: build, register, configure.
 
 :func:`enable` builds the C++ sources beside this file (``device.cpp``, ``memory.cpp``,
-``kernels.cpp``, ``races.cpp``, ``watch.cpp``, ``module.cpp``, in two files built in
-parallel: ``sim_operators.cpp`` and ``sim_runtime.cpp``) with
+``pinned.cpp``, ``kernels.cpp``, ``recurrent_cells.cpp``, ``races.cpp``, ``watch.cpp``,
+``module.cpp``, in two files built in parallel: ``sim_operators.cpp`` and
+``sim_runtime.cpp``) with
 :func:`anydevice.load_extension` (once per source, compiler and torch: later calls, in
 any process, load the cached library), then registers it as torch's ``privateuse1``
 backend under the name given, with a device module (``torch.<name>``) and the tensor
@@ -96,9 +97,11 @@ DEPENDS = tuple(
     Path(__file__).with_name(name)
     for name in (
         "kernels.cpp",
+        "recurrent_cells.cpp",
         "watch.cpp",
         "device.cpp",
         "memory.cpp",
+        "pinned.cpp",
         "races.cpp",
         "module.cpp",
         "sim.h",

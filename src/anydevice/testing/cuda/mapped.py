@@ -82,8 +82,24 @@ def _autocast(patch: Patch, sim: str) -> None:
     init = autocast_mode.autocast.__init__
 
     @functools.wraps(init)
-    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-        init(self, _sim_type(device_type, sim), *args, **kwargs)
+    def __init__(
+        self: Any,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        if device_type != "cuda":
+            init(self, device_type, dtype, enabled, cache_enabled)
+            return
+        # CUDA's autocast takes any dtype (torch checks only that a GPU has bf16): nanoGPT's
+        # dtype=float32 runs autocast("cuda", dtype=torch.float32). torch's check for a
+        # privateuse1 backend allows the two the simulator lists, and warns of any other,
+        # naming the simulator, and turns autocast off; so it is set up with one of those,
+        # then given the dtype asked for, as on a GPU.
+        wanted = dtype if dtype is not None else torch.get_autocast_dtype(sim)
+        init(self, sim, torch.float16, enabled, cache_enabled)
+        self.fast_dtype = wanted
 
     patch(autocast_mode.autocast, "__init__", __init__)
 
