@@ -238,9 +238,14 @@ def test_a_new_record_clears_only_the_long_ended_ones(
             killed.pid, running.pid, os.getpid()
         }  # fmt: skip
         fresh.close()
+        # A record not yet filled in (its pid still 0) is not one of a process long gone.
+        unfilled = where / f"{os.getppid()}.beat"
+        head = hb._HEAD.pack(hb.MAGIC, hb.VERSION, 0)
+        unfilled.write_bytes(head + bytes(hb.SIZE - len(head)))
         monkeypatch.setattr(hb, "KEPT_AFTER_EXIT", 0.0)
         later = hb.Heartbeat.create(where=where)
-        assert {b.pid for b in hb.read_all(where, prune=False)} == {running.pid, os.getpid()}
+        assert {b.pid for b in hb.read_all(where, prune=False)} == {running.pid, os.getpid(), 0}
+        assert unfilled.exists()
         later.close()
     finally:
         for child in (killed, running):

@@ -227,13 +227,16 @@ class Heartbeat:
         place = where if where is not None else folder()
         place.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = place / f"{os.getpid()}{_SUFFIX}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # Made whole under another name, then renamed: a reader never sees a record half
+        # made (no pid yet, so taken for one of a process long gone, and removed).
+        making = place / f".{os.getpid()}.making"
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, SIZE)
             mm = mmap.mmap(fd, SIZE)
         except BaseException:
             os.close(fd)
-            path.unlink(missing_ok=True)
+            making.unlink(missing_ok=True)
             raise
         beat = cls(path, mm, fd)
         _HEAD.pack_into(mm, 0, MAGIC, VERSION, 0)
@@ -241,6 +244,7 @@ class Heartbeat:
         who = (os.getpid(), 0, time.time(), ticks, rank, local_rank, world_size, local_world_size)
         _WHO.pack_into(mm, 16, *who)
         beat.describe(**(details or {}))
+        os.replace(making, path)
         _remove_long_ended(place, os.getpid())
         return beat
 
@@ -445,7 +449,7 @@ def _remove_long_ended(place: Path, me: int) -> None:
         if path.name == f"{me}{_SUFFIX}":
             continue
         beat = read_file(path)
-        if beat is None or beat.alive:
+        if beat is None or f"{beat.pid}{_SUFFIX}" != path.name or beat.alive:
             continue
         entered = beat.collective.entered if beat.collective else 0.0
         last = max(beat.created, beat.last_step, beat.memory_read_at, beat.watched, entered)
