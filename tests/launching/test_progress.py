@@ -21,12 +21,14 @@ from ranks import run_ranks_fresh
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _other(rank: int, where: str, *, seconds: float = 150.0) -> heartbeat.Beat:
-    """The record of rank ``rank`` once it is in a collective whose op is known."""
+def _other(rank: int, where: str, *, op: str = "", seconds: float = 150.0) -> heartbeat.Beat:
+    """The record of rank ``rank`` once it is in a collective whose op is known (``op``
+    where given: a rank still leaving an earlier collective shows that one a while)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         for beat in heartbeat.read_all(Path(where)):
-            if beat.rank == rank and beat.collective is not None and beat.collective.op:
+            c = beat.collective
+            if beat.rank == rank and c is not None and c.op and c.op == (op or c.op):
                 return beat
         time.sleep(0.1)
     raise AssertionError(f"rank {rank} never showed a collective in {where}")
@@ -94,7 +96,7 @@ def waits_in_ddp_backward(init_method: str) -> tuple[str, int, str]:
         if d.rank == 0:
             loss.backward()  # DDP REDUCES HERE
             return ("", 0, "")
-        seen = _other(0, where)
+        seen = _other(0, where, op="all_reduce")  # DDP's broadcasts at construction done
         loss.backward()
         assert seen.collective is not None
         return seen.collective.op, seen.collective.seq, seen.details["call"]["at"]
