@@ -31,7 +31,8 @@ def _other(rank: int, where: str, *, op: str = "", seconds: float = 150.0) -> he
             if beat.rank == rank and c is not None and c.op and c.op == (op or c.op):
                 return beat
         time.sleep(0.1)
-    raise AssertionError(f"rank {rank} never showed a collective in {where}")
+    last = [(b.rank, b.pid, b.alive, b.collective) for b in heartbeat.read_all(Path(where))]
+    raise AssertionError(f"rank {rank} never showed {op or 'a collective'} in {where}: {last}")
 
 
 def _line(fn: object, mark: str) -> int:

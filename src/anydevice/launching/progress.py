@@ -148,6 +148,7 @@ class Watcher:
         self._groups: dict[str, dict[str, Any]] = {}
         self._asked: set[str] = set()  # the group names looked up in torch's registry
         self._seqs: dict[str, int] = {}
+        self._done: dict[str, int] = {}  # per group, the highest "completed" seen
         self._last_new = 0.0  # when a new collective was last seen entered
         self._gap = 0.0
         self._call: tuple[str, int] | None = None  # (group, seq) of the one it is in
@@ -203,8 +204,17 @@ class Watcher:
                 self._last_new = now
             self._seqs = seqs
             news.update(seqs=seqs, gap=round(self._gap, 3))
+        # The collective a rank is in is the last it entered: the recorder's "completed"
+        # is the last collective to complete, not the count of those completed (on gloo,
+        # DDP's construction broadcasts complete out of order), so done + 1 named one of
+        # them for as long as the rank then waited in its backward's all_reduce. The
+        # highest "completed" seen is kept for the same reason (until a group of the same
+        # name starts its numbers again: a process group made anew).
+        for name, (entered, done) in status.items():
+            before = self._done.get(name, done)
+            self._done[name] = done if entered < before else max(done, before)
         outstanding = sorted(
-            (name, done + 1) for name, (entered, done) in status.items() if entered > done
+            (name, entered) for name, (entered, _) in status.items() if entered > self._done[name]
         )
         if outstanding:
             self._inside(outstanding, now, news)
