@@ -7,9 +7,10 @@ and DDP's reducer in C++ alike, on gloo as on NCCL — with torch's own sequence
 group (the same on every rank), the op, the shapes and dtypes, and the Python frames that
 called it. A thread of this process (:func:`watch`) reads it every :data:`TICK` seconds:
 
-* **Each tick** (a few microseconds): each group's last collective entered and completed.
-  One entered and not completed is the collective the rank is in; the heartbeat says so
-  at once (op unknown yet), with the time it was first seen.
+* **Each tick** (a few microseconds): each group's last collective entered and the last
+  to complete. While the last entered is beyond the highest completed seen, it is the
+  collective the rank is in; the heartbeat says so at once (op unknown yet), with the
+  time it was first seen.
 * **Once a collective has lasted** :data:`DETAIL_AFTER` seconds, and
   :data:`DETAIL_SHARE` times as long as reading the details took the last time (so the
   reading costs at most 1/20 of the time spent waiting, and nothing when collectives are
