@@ -327,6 +327,129 @@ def test_the_measure_example_runs_clean_and_finds_the_simulated_memory_limit() -
     assert "sim:0" in proc.stdout, proc.stdout
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+#: The suite's tests marked cuda, on two simulated CUDA GPUs with the race detector on
+#: (``make test-sim`` runs the same); 4 GiB each keeps the tests that fill a GPU small.
+SIM_CUDA = [
+    *("-p", "anydevice.testing.pytest_plugin", "--sim-cuda", "--sim-devices", "2"),
+    *("--sim-capacity", "4GiB", "-m", "cuda"),
+]
+#: Skips a cuda test makes itself, from the GPU's name (every other skip on the simulated
+#: GPUs is a ``real_gpu`` mark's: "needs a physical GPU: <why>").
+GPU_NAMED_SKIPS = ("the 0.7 MFU anchor is an H100's", "is not in the peaks table")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the suite's cuda tests in a child pytest, minutes (make test-long)
+def test_the_suites_cuda_tests_run_clean_on_simulated_gpus() -> None:
+    """Every test written for a GPU either passes on the simulated ones with the race
+    detector on (a race would fail it), or is skipped saying what only a physical GPU
+    gives; none is skipped for want of a GPU."""
+    assert " ".join(SIM_CUDA) in (ROOT / "Makefile").read_text()  # make test-sim's too
+    _toolchain_or_skip()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *SIM_CUDA, "-q", "-rs", "-p", "no:cacheprovider",
+         "-p", "no:randomly", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    summary = out.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed is not None and int(passed.group(1)) > 0, summary
+    assert "failed" not in summary and "error" not in summary, summary
+    assert "StreamRace" not in out, out
+    reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+(?::\d+)?: (.*)$", out, flags=re.M)
+    unstated = [
+        r for r in reasons
+        if not r.startswith("needs a physical GPU: ") and not r.endswith(GPU_NAMED_SKIPS)
+    ]  # fmt: skip
+    assert reasons and not unstated, unstated
+
+
+USERS_CONFTEST = """
+import pytest, torch
+
+pytest_plugins = ["anydevice.testing.pytest_plugin"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or config.getoption("--sim-cuda", default=False):
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason="no GPU here"))
+"""
+
+USERS_TESTS = """
+import pytest, torch
+
+
+@pytest.mark.cuda
+def test_clean():
+    x = torch.full((4,), 2.0).pin_memory().cuda(non_blocking=True)
+    assert (x * 3).cpu().tolist() == [6.0] * 4
+
+
+@pytest.mark.cuda
+def test_races():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.full((2**16,), 1.0).pin_memory().cuda(non_blocking=True)
+    assert (x * 2).sum().item() == 2.0**17  # the current stream never waited for side
+
+
+@pytest.mark.cuda
+def test_with_the_fixture_too(sim_cuda):
+    assert sim_cuda == torch.device("cuda", 0) and torch.cuda.device_count() == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.real_gpu("reads NVML")
+def test_nvml():
+    raise AssertionError("a real_gpu test ran on the simulated GPUs")
+
+
+def test_without_the_mark():
+    assert not torch.cuda.is_available()  # not simulated
+"""
+
+
+@pytest.mark.slow
+def test_sim_cuda_runs_a_suites_cuda_tests_and_a_race_fails_its_test(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    (tmp_path / "conftest.py").write_text(USERS_CONFTEST)
+    (tmp_path / "test_user.py").write_text(USERS_TESTS)
+    plain = _child(["-m", "pytest", str(tmp_path), "-q", "-rs", "-p", "no:cacheprovider"])
+    out = plain.stdout + plain.stderr
+    assert plain.returncode == 0, out
+    assert "1 passed, 4 skipped" in out and out.count(": no GPU here") == 4, out  # as before
+    sim = _child(
+        ["-m", "pytest", str(tmp_path), "-q", "-rs", "-p", "no:cacheprovider", "--sim-cuda",
+         "--sim-devices", "2"]
+    )  # fmt: skip
+    out = sim.stdout + sim.stderr
+    assert sim.returncode == 1, out
+    assert "1 failed, 3 passed, 1 skipped" in out, out
+    assert re.search(r"^_+ test_races _+$", out, flags=re.M), out  # the one that failed
+    assert "StreamRaceError: stream race: read after write" in out, out
+    line = USERS_TESTS.splitlines().index("    assert (x * 2).sum().item() == 2.0**17  # the "
+                                          "current stream never waited for side") + 1  # fmt: skip
+    assert re.search(rf"read +at \S*test_user\.py:{line} in test_races\(\)", out), out
+    assert "needs a physical GPU: reads NVML" in out, out
+
+
 def test_synchronize_right_after_enable_waits_for_busy_work() -> None:
     """In a fresh process, ``busy`` straight after ``enable`` was waited for by nobody:
     torch skips synchronising a device type it has not initialised (``synchronize``
