@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # .venv is kept (scripts/torch_build.py).
 TORCH  := $(PY) scripts/torch_build.py --constraint constraints.txt
 
-.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit bench gpu-check clean
+.PHONY: run test test-quick test-long test-sim test-infra infra-packages lint typecheck unit bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ unit: $(STAMP)-test
 ## under the simulator, the race detection table); CI runs it after `make test`.
 test-long: $(STAMP)-test
 	$(PY) -m pytest -n auto -m long
+
+## make test-sim: the tests marked cuda (written for a GPU) on two simulated CUDA GPUs with
+## the stream race detector on: a race fails its test; what only a physical GPU gives is
+## skipped, saying why (real_gpu marks). A minute or more; make test-long runs it too.
+test-sim: $(STAMP)-test
+	$(PY) -m pytest -p anydevice.testing.pytest_plugin --sim-cuda --sim-devices 2 --sim-capacity 4GiB -m cuda -rs tests
 
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
 test-quick: $(STAMP)-test

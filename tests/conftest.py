@@ -1,5 +1,6 @@
-"""Test configuration: ``cuda`` tests run only where an NVIDIA GPU is really present, and
-``xla`` tests only where torch_xla is installed and has a device.
+"""Test configuration: ``cuda`` tests run only where an NVIDIA GPU is really present (or
+on simulated ones, asked for with ``--sim-cuda``: ``make test-sim``), and ``xla`` tests
+only where torch_xla is installed and has a device.
 
 Under pytest-xdist (``make test`` runs ``-n auto``, one worker per usable core), the tests
 that start worlds of processes are handed out first, a file's worlds together (its module
@@ -100,6 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ),
     }
     for marker, (present, reason) in needs.items():
+        if marker == "cuda" and config.getoption("--sim-cuda", default=False):
+            continue  # they run on the simulated GPUs (anydevice.testing.pytest_plugin)
         marked = [item for item in items if item.get_closest_marker(marker) is not None]
         if marked and not present():
             for item in marked:

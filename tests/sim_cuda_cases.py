@@ -445,6 +445,68 @@ def test_anydevice_sees_the_gpus_as_cuda(sim_cuda) -> None:
     assert s.device_index == 0 and y.sum().item() == 512.0
 
 
+def test_sleep_keeps_the_current_stream_busy_for_its_cycles(sim_cuda) -> None:
+    """``torch.cuda._sleep(cycles)``, how GPU tests keep a stream busy: that many cycles of
+    the nominal clock, queued on the current stream."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        start.record()
+        torch.cuda._sleep(141_000_000)  # 0.1 s at 1.41 GHz
+        end.record()
+    assert torch.cuda.current_stream().query()  # the default stream has nothing queued
+    end.synchronize()
+    assert start.elapsed_time(end) >= 100.0  # ms
+    assert torch.cuda.get_device_properties(0).clock_rate == 1_410_000  # kHz, as CUDA's
+    with pytest.raises(TypeError, match=r"cycles=-1"):
+        torch.cuda._sleep(-1)
+
+
+def test_the_gpu_in_use_is_cuda_to_the_meters_and_timers(sim_cuda) -> None:
+    """A meter or timer given no device follows the work to the GPU in use: ``cuda:0``,
+    not the simulator's own name."""
+    from anydevice.measure import clocks
+
+    torch.cuda.set_device(1)
+    try:
+        x = torch.ones(1024, device="cuda")
+        assert clocks.in_use() == [torch.device("cuda", i) for i in (1, 0, 2)]  # current first
+        meter = ad.Throughput(samples_per_step=1, peak=None)
+        for _ in range(3):
+            x.mul_(1.0)
+            meter.step()
+        assert (meter.device, meter.clock) == (torch.device("cuda", 1), "cuda-event")
+        with ad.Timer() as t:
+            torch.cuda._sleep(14_100_000)  # 10 ms at the simulated GPUs' 1.41 GHz
+        assert t.elapsed >= 0.01  # the timer waited for the GPU in use
+    finally:
+        torch.cuda.set_device(0)
+
+
+def test_anydevice_refuses_a_process_group_on_the_gpus_and_forms_one_on_the_cpu(
+    sim_cuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launched rank on the simulated GPUs would form an NCCL group: refused before it
+    forms, saying why and what runs instead (not blamed on torch's build)."""
+    import torch.distributed as dist
+
+    from ranks import free_port
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with (
+        pytest.raises(ad.DistributedError, match=r"backend='nccl'\) on the simulated GPUs cannot"),
+        ad.distributed(),
+    ):
+        pass
+    assert not dist.is_initialized()
+    with ad.distributed(device="cpu") as d:
+        assert (d.backend, d.device) == ("gloo", torch.device("cpu"))
+        assert ad.all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
 def test_the_block_restores_torch_as_it_was() -> None:
     """Entered and left without the fixture: every replaced name, the default device, the
     current device and stream, the capacity and torch's switches come back."""

@@ -111,6 +111,7 @@ def test_cu_source_is_left_out_on_a_cpu_torch_with_one_line_saying_why(built: Bu
 
 @pytest.mark.long  # a C++ build of a minute (make test-long)
 @pytest.mark.cuda
+@pytest.mark.real_gpu("a CUDA kernel built by nvcc for the GPU here")
 def test_cuda_kernel_is_built_for_the_gpu_here_and_runs(built: Built):
     left_out = [m for m in built.logged if "leaving out" in m]
     if left_out:  # no nvcc, or one of another CUDA major than torch's: said, not an error

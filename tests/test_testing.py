@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -372,6 +373,264 @@ def test_the_measure_example_runs_clean_and_finds_the_simulated_memory_limit() -
     found = re.search(r"largest batch that fits: (\d+)", proc.stdout)
     assert found is not None and 32 <= int(found.group(1)) < 2**16, proc.stdout
     assert "sim:0" in proc.stdout, proc.stdout
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _example(argv: list[str], sim: list[str] | None = None, **env: str) -> Run:
+    """An example, as a user runs it: on the CPU (``sim`` None: ``ANYDEVICE_DEVICE=cpu``),
+    or on simulated CUDA GPUs (``python -m anydevice.testing *sim``, the race detector on)."""
+    command = ["-m", "anydevice.testing", *sim] if sim is not None else []
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "ANYDEVICE_"))}
+    if sim is None:
+        environ["ANYDEVICE_DEVICE"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, *command, str(ROOT / "examples" / argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
+        check=False,
+    )
+    return Run(proc.returncode, proc.stdout, proc.stderr)
+
+
+class Run(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def clean(self) -> str:
+        """The output of a run that exited 0 with no race reported."""
+        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout}\n{self.stderr}"
+        assert "StreamRace" not in self.stderr and "stream race" not in self.stderr, self.stderr
+        return self.stdout
+
+
+def _numbers(text: str) -> list[str]:
+    """Every number the output prints, in order (the lines a run computed)."""
+    return re.findall(r"-?\d+\.\d+(?:e[-+]?\d+)?", text)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # whole programs (make test-long)
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_d2l_multi_gpu_loop_gives_the_cpus_numbers_on_simulated_gpus(gpus: int) -> None:
+    """d2l's loop with one replica per simulated GPU prints what the same loop prints with
+    as many replicas on the CPU: losses, the replicas' spread, the drift from one device,
+    the accuracy."""
+    _toolchain_or_skip()
+    sim = _example(["multi_gpu_d2l.py"], ["--devices", str(gpus)]).clean()
+    cpu = _example(["multi_gpu_d2l.py", "--replicas", str(gpus)]).clean()
+    assert f"devices: {[f'cuda:{i}' for i in range(gpus)]} (one replica per GPU)" in sim, sim
+    results = [line for line in sim.splitlines() if line.startswith(("epoch", "largest", "test"))]
+    assert len(results) == 9 and _numbers("\n".join(results)) == _numbers(cpu), (sim, cpu)
+
+
+@pytest.mark.slow
+@pytest.mark.long  # whole programs (make test-long)
+def test_data_parallel_runs_its_four_steps_on_two_simulated_gpus() -> None:
+    """On the CPU each of DataParallel's steps raises (the example prints that); on two
+    simulated GPUs each runs, and DataParallel's output is the module's."""
+    _toolchain_or_skip()
+    out = _example(["data_parallel.py", "--tiny"], ["--devices", "2"]).clean()
+    assert "replicate: 2 copies of the module, on ['cuda:0', 'cuda:1']" in out, out
+    assert "scatter: batch (64, 64) split into [(32, 64), (32, 64)]" in out, out
+    assert "parallel_apply: one thread per device; outputs on ['cuda:0', 'cuda:1']" in out, out
+    assert "gather: outputs concatenated: (64, 10) on cuda:0" in out, out
+    assert "device_ids=[0, 1], wraps the same module: True" in out, out
+    assert "its output matches the module's: True" in out, out
+    assert re.search(r"^ +2 cuda:0, cuda:1 +[0-9.]+ ", out, flags=re.M), out  # a row per count
+    cpu = _example(["data_parallel.py", "--tiny"]).clean()
+    assert "replicate: raised ValueError" in cpu and "matches the module's: True" in cpu, cpu
+
+
+@pytest.mark.slow
+@pytest.mark.long  # whole programs, four runs (make test-long)
+def test_ddp_example_trains_saves_and_resumes_as_on_the_cpu_and_refuses_a_gpu_world(
+    tmp_path: Path,
+) -> None:
+    """In one process the DDP example trains on the simulated GPU with the CPU's losses,
+    saving in the background (``ad.save_state``'s staging to host memory under the race
+    detector), and a second run resumes as the CPU's does. Launched as a rank, it would
+    form an NCCL group on the GPU: refused before the group forms, saying why."""
+    _toolchain_or_skip()
+    runs = {}
+    for where, sim in (("cpu", None), ("sim", [])):
+        argv = ["ddp_train.py", "--checkpoints", str(tmp_path / where), "--save-every", "5"]
+        runs[where] = (_example(argv, sim).clean(), _example(argv, sim).clean())
+    (cpu, cpu_again), (sim, sim_again) = runs["cpu"], runs["sim"]
+    assert "1 process(es), no process group, on cuda:0" in sim, sim
+    assert "on cpu" in cpu and _numbers(sim) == _numbers(cpu), (sim, cpu)
+    assert sorted(p.name for p in (tmp_path / "sim").iterdir()) == [
+        "step-000000090",
+        "step-000000095",
+    ]  # saved every 5 steps, the newest two kept
+    assert "resumed at step 95, epoch 2" in sim_again, sim_again
+    assert _numbers(sim_again) == _numbers(cpu_again), (sim_again, cpu_again)
+    rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    refused = _example(["ddp_train.py"], [], MASTER_PORT="1", **rank)
+    assert refused.returncode == 1, refused
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("anydevice.errors.DistributedError: a process group "), last
+    assert "(backend='nccl') on the simulated GPUs cannot run" in last, last
+    assert "NCCL and collectives on the GPUs are not simulated" in last, last
+    assert "ad.distributed(device='cpu')" in last, last  # what runs instead
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three processes of a minute on a busy machine (make test-long)
+def test_hogwild_runs_on_the_host_under_the_simulator() -> None:
+    """Hogwild shares host memory (``ad.share`` refuses a model on a GPU): under the
+    simulator it trains on the host, in processes the simulator does not reach, and the
+    parent's evaluation runs with the detector on; it trains as it does on the CPU."""
+    _toolchain_or_skip()
+    out = _example(["hogwild.py", "--steps", "60"], []).clean()
+    before = float(re.search(r"before: accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    after = float(re.search(r"after 2 x 60 steps: accuracy ([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    assert after > max(0.8, before + 0.2), out
+
+
+@pytest.mark.slow
+@pytest.mark.long  # a C++ build of a minute (make test-long)
+def test_custom_kernel_example_runs_its_cpu_kernel_beside_the_simulated_gpu() -> None:
+    """torch here is built without CUDA, so ``ad.load_extension`` leaves the .cu source out
+    (saying so when it builds) and the operator has a CPU kernel only: with a simulated GPU
+    present the example says so and runs on the CPU, checked against torch's own GELU.
+    (The tutorial's ``cpp_extension.load`` of the .cu source is refused by name:
+    tests/test_testing_cuda.py.)"""
+    _toolchain_or_skip()
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip(f"torch {torch.__version__} builds the CUDA kernel: test_extension.py's")
+    out = _example(["custom_kernel/bias_gelu.py", "--tiny"], []).clean()
+    assert re.search(r"kernels registered: CPU$", out, flags=re.M), out  # no CUDA kernel
+    assert "device: cpu (cuda:0 is here but this operator has no kernel for it" in out, out
+    assert "opcheck: passed" in out, out
+    diff = re.search(r"max abs difference from F.gelu\(x \+ bias\): ([0-9.e+-]+)", out)
+    assert diff is not None and float(diff.group(1)) < 1e-4, out
+
+
+#: The suite's tests marked cuda, on two simulated CUDA GPUs with the race detector on
+#: (``make test-sim`` runs the same); 4 GiB each keeps the tests that fill a GPU small.
+SIM_CUDA = [
+    *("-p", "anydevice.testing.pytest_plugin", "--sim-cuda", "--sim-devices", "2"),
+    *("--sim-capacity", "4GiB", "-m", "cuda"),
+]
+#: Skips a cuda test makes itself, from the GPU's name (every other skip on the simulated
+#: GPUs is a ``real_gpu`` mark's: "needs a physical GPU: <why>").
+GPU_NAMED_SKIPS = ("the 0.7 MFU anchor is an H100's", "is not in the peaks table")
+
+
+@pytest.mark.slow
+@pytest.mark.long  # the suite's cuda tests in a child pytest, minutes (make test-long)
+def test_the_suites_cuda_tests_run_clean_on_simulated_gpus() -> None:
+    """Every test written for a GPU either passes on the simulated ones with the race
+    detector on (a race would fail it), or is skipped saying what only a physical GPU
+    gives; none is skipped for want of a GPU."""
+    assert " ".join(SIM_CUDA) in (ROOT / "Makefile").read_text()  # make test-sim's too
+    _toolchain_or_skip()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *SIM_CUDA, "-q", "-rs", "-p", "no:cacheprovider",
+         "-p", "no:randomly", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        check=False,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    summary = out.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed is not None and int(passed.group(1)) > 0, summary
+    assert "failed" not in summary and "error" not in summary, summary
+    assert "StreamRace" not in out, out
+    reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+(?::\d+)?: (.*)$", out, flags=re.M)
+    unstated = [
+        r for r in reasons
+        if not r.startswith("needs a physical GPU: ") and not r.endswith(GPU_NAMED_SKIPS)
+    ]  # fmt: skip
+    assert reasons and not unstated, unstated
+
+
+USERS_CONFTEST = """
+import pytest, torch
+
+pytest_plugins = ["anydevice.testing.pytest_plugin"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() or config.getoption("--sim-cuda", default=False):
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason="no GPU here"))
+"""
+
+USERS_TESTS = """
+import pytest, torch
+
+
+@pytest.mark.cuda
+def test_clean():
+    x = torch.full((4,), 2.0).pin_memory().cuda(non_blocking=True)
+    assert (x * 3).cpu().tolist() == [6.0] * 4
+
+
+@pytest.mark.cuda
+def test_races():
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.full((2**16,), 1.0).pin_memory().cuda(non_blocking=True)
+    assert (x * 2).sum().item() == 2.0**17  # the current stream never waited for side
+
+
+@pytest.mark.cuda
+def test_with_the_fixture_too(sim_cuda):
+    assert sim_cuda == torch.device("cuda", 0) and torch.cuda.device_count() == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.real_gpu("reads NVML")
+def test_nvml():
+    raise AssertionError("a real_gpu test ran on the simulated GPUs")
+
+
+def test_without_the_mark():
+    assert not torch.cuda.is_available()  # not simulated
+"""
+
+
+@pytest.mark.slow
+def test_sim_cuda_runs_a_suites_cuda_tests_and_a_race_fails_its_test(tmp_path: Path) -> None:
+    _toolchain_or_skip()
+    (tmp_path / "conftest.py").write_text(USERS_CONFTEST)
+    (tmp_path / "test_user.py").write_text(USERS_TESTS)
+    plain = _child(["-m", "pytest", str(tmp_path), "-q", "-rs", "-p", "no:cacheprovider"])
+    out = plain.stdout + plain.stderr
+    assert plain.returncode == 0, out
+    assert "1 passed, 4 skipped" in out and out.count(": no GPU here") == 4, out  # as before
+    sim = _child(
+        ["-m", "pytest", str(tmp_path), "-q", "-rs", "-p", "no:cacheprovider", "--sim-cuda",
+         "--sim-devices", "2"]
+    )  # fmt: skip
+    out = sim.stdout + sim.stderr
+    assert sim.returncode == 1, out
+    assert "1 failed, 3 passed, 1 skipped" in out, out
+    assert re.search(r"^_+ test_races _+$", out, flags=re.M), out  # the one that failed
+    assert "StreamRaceError: stream race: read after write" in out, out
+    line = USERS_TESTS.splitlines().index("    assert (x * 2).sum().item() == 2.0**17  # the "
+                                          "current stream never waited for side") + 1  # fmt: skip
+    assert re.search(rf"read +at \S*test_user\.py:{line} in test_races\(\)", out), out
+    assert "needs a physical GPU: reads NVML" in out, out
 
 
 def test_synchronize_right_after_enable_waits_for_busy_work() -> None:

@@ -137,6 +137,7 @@ def test_top_refuses_bad_arguments(bad):
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("NVML telemetry, read by the CLI in its own process")
 def test_top_json_lists_every_gpu_with_both_indices():
     from anydevice.hardware.inventory import inventory_without_torch
 
@@ -175,6 +176,7 @@ def test_select_refuses_bad_arguments(bad):
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("NVML's GPUs, read by the CLI in its own process")
 def test_select_prints_the_freest_gpus_by_uuid_and_index():
     from anydevice.hardware.freest import choose_free
     from anydevice.hardware.inventory import inventory_without_torch

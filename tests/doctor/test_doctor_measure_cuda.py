@@ -8,7 +8,10 @@ from anydevice.doctor.measure import measure
 from anydevice.hardware.inventory import inventory
 from anydevice.hardware.peaks import gpu_peak, pcie_peak
 
-pytestmark = pytest.mark.cuda
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.real_gpu("the doctor's speeds, against a GPU's datasheet and the CPU"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,9 @@ from anydevice.feeding.transfer import pin_leaves
 pytestmark = pytest.mark.cuda
 
 N = 1 << 18  # floats per sample
+#: Why the overlap tests need a physical GPU (benchmarks/bench_sim_overlap.py measures the
+#: loader's overlap on the simulated one).
+SPEED = "compares a GPU's copy and matmul times (128 MiB batches, 4096² matmuls)"
 
 
 def batches(n: int = 24) -> list[torch.Tensor]:
@@ -233,6 +236,7 @@ def best_of_three(run) -> float:
     return min(times)
 
 
+@pytest.mark.real_gpu(SPEED)
 def test_the_copy_overlaps_compute():
     host, compute = overlap_case()
 
@@ -247,6 +251,7 @@ def test_the_copy_overlaps_compute():
     assert best_of_three(ours) < 0.85 * best_of_three(naive)
 
 
+@pytest.mark.real_gpu(SPEED)
 def test_the_copy_overlaps_compute_when_the_host_syncs_every_step():
     # loss.item() every step: the host waits for compute k before asking for batch k+1.
     # The copy of k+1 must still run under compute k, not after it.
@@ -263,6 +268,10 @@ def test_the_copy_overlaps_compute_when_the_host_syncs_every_step():
     assert best_of_three(ours) < 0.85 * best_of_three(naive)
 
 
+@pytest.mark.real_gpu(
+    "torch's CUDA sanitizer needs CUDA, in a child process; under the simulator its own "
+    "race detector checks these loops"
+)
 def test_loader_and_side_stream_pass_the_cuda_sanitizer():
     # CSAN checks the ordering of kernels that touch the same tensor (a read of a batch
     # before its copy ends would be flagged); it forgets a tensor's accesses when it is

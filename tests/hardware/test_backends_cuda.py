@@ -270,6 +270,7 @@ def test_has_primary_context_name_is_there_exactly_on_cuda_builds():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("cuDNN's version, read in a fresh process (the simulated GPU has no cuDNN)")
 def test_cudnn_version_without_initialising_cuda_matches_torchs():
     import json
     import subprocess

@@ -14,7 +14,12 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.cuda
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.real_gpu(
+        "NVML and CUDA's state, in fresh processes (a child has no simulated GPU)"
+    ),
+]
 
 
 def run_py(code: str, env: dict[str, str] | None = None) -> dict:

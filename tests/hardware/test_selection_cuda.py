@@ -15,7 +15,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-pytestmark = pytest.mark.cuda
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.real_gpu(
+        "NVML and CUDA's state, in fresh processes (a child has no simulated GPU)"
+    ),
+]
 
 GiB = 2**30
 

@@ -333,6 +333,7 @@ def test_the_raising_rank_is_named_in_every_run(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.slow
+@pytest.mark.real_gpu("NCCL ranks: collectives on the simulated GPUs are refused")
 def test_a_hung_rank_under_nccl_is_named_with_the_flight_recorder():
     if len(ad.devices("cuda")) < 2:
         pytest.skip("needs two GPUs for two NCCL ranks")

@@ -95,6 +95,7 @@ def test_a_script_defined_function_is_not_refused(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("a CUDA context in a fresh process (a child has no simulated GPU)")
 def test_forking_from_a_notebook_after_cuda_is_refused_with_the_way_out():
     out = _run(LAUNCH + "\nimport torch\ntorch.cuda.init()\n"
                "print(repr(run(square, 3, start_method='fork')))\n")  # fmt: skip

@@ -189,6 +189,7 @@ with ad.distributed(timeout=60) as d:
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("an NCCL process group: collectives on the simulated GPUs are refused")
 def test_nccl_collectives_are_counted_from_the_same_record(tmp_path):
     """NCCL's collectives reach the watch through torch's flight recorder, as gloo's do
     (a world of one, in a fresh process: one GPU is enough)."""

@@ -65,6 +65,7 @@ def test_cpu_flush_is_twice_the_largest_cache():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("CUDA contexts, in a child process (a child has no simulated GPU)")
 def test_synchronize_none_covers_every_gpu_with_a_context_and_makes_none():
     code = textwrap.dedent(
         """
@@ -104,6 +105,7 @@ def test_synchronize_asks_per_gpu_whether_a_context_exists():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("CUDA contexts, in a child process (a child has no simulated GPU)")
 def test_synchronize_a_gpu_without_a_context_creates_none():
     # torch.cuda.synchronize(k) runs cudaSetDevice(k), which creates a context (~500 MB)
     # on GPU k; a GPU this process never used has nothing queued to wait for.

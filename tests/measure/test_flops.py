@@ -263,6 +263,9 @@ def test_bf16_matmul_reaches_most_of_an_h100s_peak():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu(
+    "TF32 is a GPU's reduced-precision matmul; the simulated GPU computes in fp32"
+)
 def test_fp32_matmul_under_fast_matmul_is_set_against_tf32():
     a = torch.randn(1024, 1024, device="cuda")
     with ad.fast_matmul():
@@ -370,6 +373,9 @@ def test_an_fp8_matmul_is_counted_as_fp8():
 
 @pytest.mark.cuda
 @NEW_API
+@pytest.mark.real_gpu(
+    "TF32 is a GPU's reduced-precision matmul; the simulated GPU computes in fp32"
+)
 def test_tf32_through_the_new_api_is_set_against_the_tf32_peak_on_a_gpu():
     n = 2048
     a = torch.randn(n, n, device="cuda")

@@ -17,8 +17,11 @@ pytestmark = pytest.mark.cuda
 
 MiB = 2**20
 GiB = 2**30
+CHILD_NVML = "a fresh process that reads NVML (a child has no simulated GPU)"
+HISTORY = "a snapshot is CUDA's allocator's history; the simulated one keeps none (refused)"
 
 
+@pytest.mark.real_gpu(CHILD_NVML)
 def test_looking_at_memory_creates_no_context_and_reads_nvml():
     code = textwrap.dedent(
         """
@@ -58,7 +61,15 @@ def test_memory_sees_a_cuda_allocation_to_the_byte():
     _, cuda_total = torch.cuda.mem_get_info(dev)
     assert after.total == pytest.approx(cuda_total, rel=0.05)
     assert 0 < after.free <= after.total
-    assert after.other is not None and after.other > 0  # at least this process's context
+    del x
+
+
+@pytest.mark.real_gpu("a CUDA context's memory, outside torch's allocator")
+def test_memory_outside_torch_counts_this_processs_context():
+    dev = torch.device("cuda", 0)
+    x = torch.empty(MiB, dtype=torch.uint8, device=dev)  # CUDA is in use: a context
+    s = ad.memory(dev)
+    assert s.other is not None and s.other > 0  # at least this process's context
     del x
 
 
@@ -110,6 +121,7 @@ def test_reserved_far_above_allocated_is_flagged():
 # ----------------------------------------------------------------------------- history, pinned
 
 
+@pytest.mark.real_gpu(HISTORY)
 def test_track_memory_writes_a_snapshot_and_a_timeline(tmp_path):
     import pickle
 
@@ -133,6 +145,7 @@ def test_track_memory_writes_a_snapshot_and_a_timeline(tmp_path):
     assert after == before  # recording stopped with the block
 
 
+@pytest.mark.real_gpu(HISTORY)
 def test_fit_batch_size_writes_a_snapshot_at_the_first_oom(tmp_path):
     import pickle
 
@@ -152,6 +165,7 @@ def test_fit_batch_size_writes_a_snapshot_at_the_first_oom(tmp_path):
     assert path.with_suffix(".html").exists()
 
 
+@pytest.mark.real_gpu("the simulated GPU's pinned memory keeps no counters")
 def test_pinned_host_memory_is_reported_and_released():
     x = torch.empty(64 * MiB, dtype=torch.uint8).pin_memory()
     torch.empty(1, device="cuda:0")  # CUDA is in use

@@ -19,7 +19,13 @@ from test_profiling import SlowDataset
 
 import anydevice as ad
 
-pytestmark = pytest.mark.cuda
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.real_gpu(
+        "torch's sync debug mode, CUDA kernel traces (CUPTI) and NVTX: the simulated GPU has "
+        "none of them"
+    ),
+]
 
 SOURCE = Path(__file__).read_text().splitlines()
 

@@ -333,6 +333,9 @@ def test_ranks_sum_their_rates(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu(
+    "torch.cuda.set_sync_debug_mode('error'): the simulated GPU flags no syncs (refused)"
+)
 def test_cuda_steps_record_events_without_synchronising():
     a = torch.randn(1024, 1024, device="cuda")
     meter = ad.Throughput(samples_per_step=1, peak=None, device="cuda")
@@ -352,6 +355,7 @@ def test_cuda_steps_record_events_without_synchronising():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("compares the meter's cost with a GPU's matmul time")
 def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
     a = torch.randn(2048, 2048, device="cuda")
     meter = ad.Throughput(samples_per_step=1, peak=None, device="cuda")
@@ -371,6 +375,7 @@ def test_cuda_meter_overhead_is_under_one_percent_of_a_small_step():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("autocast on the simulated GPU casts nothing: its math is fp32")
 def test_a_bf16_autocast_loop_on_a_gpu_is_set_against_the_bf16_peak():
     model = torch.nn.Linear(4096, 4096, device="cuda")
     x = torch.randn(4096, 4096, device="cuda")

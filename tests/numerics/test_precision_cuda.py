@@ -37,6 +37,7 @@ KNOWN_PARTS = {
 }  # fmt: skip
 
 
+@pytest.mark.real_gpu("autocast on the simulated GPU casts nothing: its math is fp32")
 def test_auto_agrees_with_torch_and_the_data_sheet_on_native_bf16(dev: torch.device) -> None:
     info = ad.describe(dev, telemetry=False)
     assert info.compute_capability == torch.cuda.get_device_capability(dev)
@@ -104,6 +105,9 @@ def fp16_step(p: ad.Precision, model: nn.Module, x: torch.Tensor, y: torch.Tenso
     opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.real_gpu(
+    "torch.cuda.set_sync_debug_mode('error'): the simulated GPU flags no syncs (refused)"
+)
 def test_fp16_step_with_a_fused_optimizer_needs_no_sync(dev: torch.device) -> None:
     model, x, y = regression(dev)
     p = ad.precision(dev, "fp16")
@@ -126,6 +130,9 @@ def test_fp16_step_with_a_fused_optimizer_needs_no_sync(dev: torch.device) -> No
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.real_gpu(
+    "TF32 is a GPU's reduced-precision matmul; the simulated GPU computes in fp32"
+)
 def test_fast_matmul_engages_tf32_and_restores_ieee(dev: torch.device) -> None:
     if torch.cuda.get_device_capability(dev)[0] < 8:
         pytest.skip("TF32 needs compute capability 8.0")
@@ -145,6 +152,7 @@ def test_fast_matmul_engages_tf32_and_restores_ieee(dev: torch.device) -> None:
     assert inside > 10 * before  # TF32 keeps 10 mantissa bits: ~1e-3 relative
 
 
+@pytest.mark.real_gpu("channels_last pays on Tensor Cores; the simulated GPU has none")
 def test_channels_last_converts_on_tensor_core_gpus(dev: torch.device) -> None:
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU()).to(dev)
     ad.channels_last(model)

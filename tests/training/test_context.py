@@ -209,6 +209,7 @@ def test_env_launch_meets_over_tcp_on_loopback(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("an NCCL process group: collectives on the simulated GPUs are refused")
 def test_world_of_one_on_a_gpu_uses_nccl(monkeypatch):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(free_port())}.items():

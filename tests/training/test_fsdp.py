@@ -191,6 +191,7 @@ def test_fsdp_on_two_ranks_shards_trains_like_one_process_and_keeps_the_objects(
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("an NCCL process group: collectives on the simulated GPUs are refused")
 def test_fully_shard_on_a_gpu_gathers_in_bf16_and_offloads_to_the_host(monkeypatch):
     from anydevice.training import sharding
     from ranks import free_port

@@ -336,6 +336,7 @@ def test_optimizer_state_follows_the_model_to_the_gpu():
 
 
 @pytest.mark.cuda
+@pytest.mark.real_gpu("an NCCL process group: collectives on the simulated GPUs are refused")
 def test_ddp_on_a_gpu_gets_its_device_id(monkeypatch):
     import socket
 

@@ -361,6 +361,11 @@ def _existing(
 
 
 def _check_backend(name: str, dev: torch.device, world: World) -> None:
+    # The device's own refusal first: it says why no build of torch would do (XLA's gloo,
+    # a simulated GPU's NCCL), where a missing backend would only blame this build.
+    refusal = runtime(dev.type).collective_refusal(name)
+    if refusal is not None:
+        raise DistributedError(refusal)
     host = backends.host()
     for backend in sorted(backends.group_backends(name)):
         available = getattr(dist, f"is_{backend}_available", None)  # torch's own backends
@@ -378,9 +383,6 @@ def _check_backend(name: str, dev: torch.device, world: World) -> None:
                 f"{world.describe()} cannot form its process group.{hint} Use "
                 f"backend='auto' (here: {backend_for(dev)!r})."
             )
-    refusal = runtime(dev.type).collective_refusal(name)
-    if refusal is not None:
-        raise DistributedError(refusal)
     # With every GPU visible to every rank, more local ranks than GPUs means sharing one.
     # (A scheduler that gives each task its own CUDA_VISIBLE_DEVICES is another matter.)
     own, kind = backends.facts(dev.type), runtime(dev.type)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from anydevice.hardware.backends.base import Probe
+from anydevice.hardware.backends.base import Probe, current_if_initialized
 from anydevice.hardware.backends.generic import GenericBackend
 from anydevice.hardware.facts import DeviceInfo, HostInfo
 from anydevice.testing.cuda.devices import CUDA
 from anydevice.testing.cuda.module import CAPABILITY, NAME
+from anydevice.testing.cuda.refused import COLLECTIVES_NOT_SIMULATED
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +65,33 @@ class SimulatedCuda(GenericBackend):
     def unavailable_reason(self, host: HostInfo | None = None) -> str:
         return "the simulated CUDA has no device (enable the simulator with devices >= 1)."
 
+    def collective_refusal(self, backend: str) -> str | None:
+        """Every process group on the simulated GPUs: NCCL is not simulated, nor are
+        collectives on their tensors (refused before the group forms, not at its first
+        collective)."""
+        return (
+            f"a process group (backend={backend!r}) on the simulated GPUs cannot run: "
+            f"{COLLECTIVES_NOT_SIMULATED}. Run the collective part on the CPU under the "
+            "simulator (ad.distributed(device='cpu'): gloo with CPU tensors), or where GPUs are."
+        )
+
     def stream_device(self, device: torch.device) -> torch.device | None:
         import torch
 
         index = torch.accelerator.current_device_index() if device.index is None else device.index
         return torch.device(CUDA, index)
+
+    def in_use(self) -> list[torch.device]:
+        """Every simulated GPU, as ``cuda:k``, the current one first: the simulator runs
+        them all (a GPU's backend says which have a context; waiting for a simulated GPU
+        with nothing queued costs nothing)."""
+        import torch
+
+        current = current_if_initialized(self.sim)
+        if current is None:
+            return []
+        others = [i for i in range(torch.accelerator.device_count()) if i != current.index]
+        return [torch.device(CUDA, i) for i in (current.index, *others)]
 
 
 class WithoutSimulator(GenericBackend):
@@ -84,3 +107,6 @@ class WithoutSimulator(GenericBackend):
             host=found.host,
             notes=found.notes,
         )
+
+    def in_use(self) -> list[torch.device]:
+        return [d for d in super().in_use() if d.type != self.sim]  # in use as CUDA

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anydevice.testing.cuda.devices import is_cuda_name, to_cuda, to_sim
-from anydevice.testing.cuda.refused import refusal, refuse
+from anydevice.testing.cuda.refused import COLLECTIVES_NOT_SIMULATED, refusal, refuse
 from anydevice.testing.device_module import alias
 
 if TYPE_CHECKING:
@@ -401,7 +401,7 @@ def _distributed(patch: Patch, sim: str) -> None:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    why = "NCCL and collectives on the GPUs are not simulated"
+    why = COLLECTIVES_NOT_SIMULATED
 
     def named_nccl(backend: Any) -> bool:
         return backend is not None and "nccl" in str(backend).lower()

@@ -28,12 +28,15 @@ from anydevice.testing.cuda.devices import CUDA
 from anydevice.testing.cuda.refused import refuse
 from anydevice.testing.device_module import alias
 
-__all__ = ["CAPABILITY", "NAME", "DeviceProperties", "Simulated", "index"]
+__all__ = ["CAPABILITY", "CLOCK_KHZ", "NAME", "DeviceProperties", "Simulated", "index"]
 
 #: The compute capability the simulated GPUs report.
 CAPABILITY = (8, 0)
 #: What ``torch.cuda.get_device_name`` says.
 NAME = "anydevice simulated GPU"
+#: The simulated GPUs' nominal clock, kHz (``get_device_properties().clock_rate``, as
+#: CUDA reports it): what ``torch.cuda._sleep(cycles)`` counts its cycles in.
+CLOCK_KHZ = 1_410_000
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class DeviceProperties:
     regs_per_multiprocessor: int = 65536
     warp_size: int = 32
     L2_cache_size: int = 40 * 2**20
+    clock_rate: int = CLOCK_KHZ
     is_integrated: bool = False
     is_multi_gpu_board: bool = False
     uuid: str = ""
@@ -301,14 +305,24 @@ class Simulated:
         return total / self.total
 
     # ------------------------------------------------------------------ debugging
+    def sleep(self, cycles: int) -> None:
+        """``torch.cuda._sleep(cycles)``: a kernel that spins the current GPU for
+        ``cycles`` clock cycles, queued on the current stream (GPU tests use it to keep a
+        stream busy): that long of :func:`anydevice.testing.busy` at :data:`CLOCK_KHZ`."""
+        from anydevice.testing.simulator import busy
+
+        if isinstance(cycles, bool) or not isinstance(cycles, int) or cycles < 0:
+            raise TypeError(f"torch.cuda._sleep(cycles={cycles!r}): cycles is a count >= 0")
+        busy(cycles / (CLOCK_KHZ * 1e3))
+
     def set_sync_debug_mode(self, debug_mode: int | str) -> None:
         """Accept the default mode only: the simulator has no sync debug mode."""
         if debug_mode not in (0, "default"):
             refuse(
                 f"torch.cuda.set_sync_debug_mode({debug_mode!r})",
                 "the simulator does not flag synchronising calls",
-                "To find them, use ad.find_syncs(fn, *args) (on a GPU, or on the simulator "
-                "with --no-cuda).",
+                "To find them, run ad.find_syncs(fn, *args) where a GPU is (it takes CUDA's "
+                "own sync debug mode).",
             )
 
 

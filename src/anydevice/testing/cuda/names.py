@@ -8,6 +8,8 @@ types, constants, the modules ``torch.cuda`` imports for itself). A public name 
 does not know (a newer torch's) is refused saying so. :func:`install` applies the table;
 ``python -m anydevice.testing.cuda.names`` prints it as the Markdown table in
 ``docs/testing.md`` (a test keeps the two equal, and the table equal to ``dir(torch.cuda)``).
+Of the private names one is mapped too, for the GPU tests that use it: ``_sleep(cycles)``
+queues that many cycles of the simulated GPU's nominal clock on the current stream.
 """
 
 from __future__ import annotations
@@ -371,6 +373,7 @@ def install(patch: Patch, run: Simulated) -> None:
         for module in modules:
             if module.__dict__.get(name) is original:
                 patch(module, name, value)
+    patch(cuda, "_sleep", run.sleep)  # private, but how GPU tests keep a stream busy
 
 
 def _module(patch: Patch, module: ModuleType, status: str, note: str) -> None:

@@ -13,7 +13,16 @@ from typing import Any, NoReturn
 
 from anydevice.testing.simulator import SimulatorError
 
-__all__ = ["NotSimulatedError", "refusal", "refuse", "refused_class"]
+__all__ = [
+    "COLLECTIVES_NOT_SIMULATED",
+    "NotSimulatedError",
+    "refusal",
+    "refuse",
+    "refused_class",
+]
+
+#: Why a process group or a collective on the simulated GPUs is refused.
+COLLECTIVES_NOT_SIMULATED = "NCCL and collectives on the GPUs are not simulated"
 
 #: What to do, said once for every refusal.
 ADVICE = (
