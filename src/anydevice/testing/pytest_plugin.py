@@ -34,8 +34,9 @@ run.
 ``pytest --sim-cuda`` runs the tests marked ``cuda`` (tests written for a machine with
 NVIDIA GPUs, skipped elsewhere) on the simulated GPUs instead, each inside
 :func:`~anydevice.testing.simulate_cuda`, with the race detector on; ``--sim-devices N``
-gives N simulated GPUs (1), ``--sim-capacity 4GiB`` each one's memory (the host's). The skip of the ``cuda`` marker is the suite's own: it must
-let them run under ``--sim-cuda`` (``config.getoption("--sim-cuda", False)``). A test
+gives N simulated GPUs (1), ``--sim-capacity 4GiB`` each one's memory (the host's). The
+skip of the ``cuda`` marker is the suite's own: it must let them run under ``--sim-cuda``
+(``config.getoption("--sim-cuda", False)``). A test
 that asserts what only a physical GPU gives (NVML, a child process that uses the GPU, a
 GPU's speed) is marked ``@pytest.mark.real_gpu("why")`` and skipped there, saying why.
 Tests without the ``cuda`` mark run as they do without the option.
