@@ -53,8 +53,10 @@ test-long: $(STAMP)-test
 ## make test-sim: the tests marked cuda (written for a GPU) on two simulated CUDA GPUs with
 ## the stream race detector on: a race fails its test; what only a physical GPU gives is
 ## skipped, saying why (real_gpu marks). A minute or more; make test-long runs it too.
+## Only the files with cuda tests are collected (tests/infra aside: make test-infra's).
+CUDA_TEST_FILES = $(shell grep -rl --include='test_*.py' 'pytest.mark.cuda' tests | grep -v '^tests/infra/' | sort)
 test-sim: $(STAMP)-test
-	$(PY) -m pytest -p anydevice.testing.pytest_plugin --sim-cuda --sim-devices 2 --sim-capacity 4GiB -m cuda -rs tests
+	$(PY) -m pytest -p anydevice.testing.pytest_plugin --sim-cuda --sim-devices 2 --sim-capacity 4GiB -m cuda -rs $(CUDA_TEST_FILES)
 
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
 test-quick: $(STAMP)-test
