@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ranks import process_tree_guard, start_job, still_running
+from ranks import finish_job, process_tree_guard, start_job, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -264,12 +264,7 @@ def test_the_rank_that_failed_first_is_named_with_its_own_error_and_pid_and_fram
     script.write_text(CLOSED_STDOUT)
     argv = [sys.executable, "-m", "anydevice", "launch", "-n", "2", str(script)]
     proc = start_job(argv, tmp_path)
-    try:
-        _, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, _, err = finish_job(proc, 150)
     assert proc.returncode == 1, err
     summary = err[err.index("anydevice launch: ") :]
     head = r"anydevice launch: Rank 1 \(local rank 1, pid \d+\) raised: OSError: .*Bad file"
@@ -333,12 +328,7 @@ def test_ad_launch_sees_its_worker_end_although_a_daemon_it_started_runs_on(tmp_
     script = tmp_path / "daemon.py"
     script.write_text(AD_DAEMON)
     proc = start_job([sys.executable, str(script)], tmp_path)
-    try:
-        out, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, out, err = finish_job(proc, 150)
     assert proc.returncode == 0, err
     result, took = out.split("}")[0] + "}", int(out.split("}")[1])
     assert result == "{0: 1}", out
