@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # .venv is kept (scripts/torch_build.py).
 TORCH  := $(PY) scripts/torch_build.py --constraint constraints.txt
 
-.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit bench gpu-check clean
+.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit sim-build bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,17 +42,23 @@ run: $(STAMP)-run
 ## core (pytest-xdist), those that start several processes one at a time on one of them.
 test: lint unit
 
-unit: $(STAMP)-test
+unit: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m "not long"
 
 ## make test-long: the tests marked long, minutes each (the resume soak, whole programs run
 ## under the simulator, the race detection table); CI runs it after `make test`.
-test-long: $(STAMP)-test
+test-long: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m long
 
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
-test-quick: $(STAMP)-test
+test-quick: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m "not slow and not long"
+
+# The simulated accelerator's library, built before the tests (once per checkout, torch and
+# compiler; a few seconds when built), not inside the first test that needs it. Where it
+# cannot be built (no compiler) the tests that need it skip, saying why.
+sim-build: $(STAMP)-test
+	-$(PY) -m anydevice.testing --build
 
 ## make test-infra: real infrastructure (tests/infra, not part of `make test`): a notebook in a
 ## Jupyter kernel, two hosts in network namespaces, a SLURM cluster of two nodes. As root it

@@ -190,6 +190,25 @@ def test_the_pytest_fixture_in_a_users_suite(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "1 passed" in out, out
 
 
+@pytest.mark.slow
+def test_the_command_line_builds_ahead_of_use(tmp_path: Path) -> None:
+    """``python -m anydevice.testing --build``, for a CI job's or an image's set-up: the
+    library built, where it is; without a compiler, status 1 and why."""
+    _toolchain_or_skip()
+    _built()
+    proc = _child(["-m", "anydevice.testing", "--build"])
+    assert proc.returncode == 0, proc.stderr
+    assert "building" not in proc.stderr, proc.stderr  # built already: nothing to build
+    library = Path(proc.stdout.strip().rpartition("is built: ")[2])
+    assert library.name == "anydevice_sim.so" and library.is_file(), proc.stdout
+
+    missing = tmp_path / "no-such-c++"
+    proc = _child(["-m", "anydevice.testing", "--build"], CXX=str(missing),
+                  XDG_CACHE_HOME=str(tmp_path))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot be built here: No C++ compiler" in proc.stderr and str(missing) in proc.stderr
+
+
 #: Device-agnostic examples, and the lines of their output that must match the CPU's.
 EXAMPLES = {
     "inference": (["inference.py", "--tiny"], r"accuracy [0-9.]+"),
