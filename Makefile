@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp
 # .venv is kept (scripts/torch_build.py).
 TORCH  := $(PY) scripts/torch_build.py --constraint constraints.txt
 
-.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit sim-build bench gpu-check clean
+.PHONY: run test test-quick test-long test-infra infra-packages lint typecheck unit bench gpu-check clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,7 @@ test-quick: $(STAMP)-test sim-build
 # The simulated accelerator's library, built before the tests (once per checkout, torch and
 # compiler; a few seconds when built), not inside the first test that needs it. Where it
 # cannot be built (no compiler) the tests that need it skip, saying why.
+.PHONY: sim-build
 sim-build: $(STAMP)-test
 	-$(PY) -m anydevice.testing --build
 
