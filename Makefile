@@ -42,12 +42,12 @@ run: $(STAMP)-run
 ## core (pytest-xdist), those that start several processes one at a time on one of them.
 test: lint unit
 
-unit: $(STAMP)-test
+unit: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m "not long"
 
 ## make test-long: the tests marked long, minutes each (the resume soak, whole programs run
 ## under the simulator, the race detection table); CI runs it after `make test`.
-test-long: $(STAMP)-test
+test-long: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m long
 
 ## make test-sim: the tests marked cuda (written for a GPU) on two simulated CUDA GPUs with
@@ -55,12 +55,19 @@ test-long: $(STAMP)-test
 ## skipped, saying why (real_gpu marks). A minute or more; make test-long runs it too.
 ## Only the files with cuda tests are collected (tests/infra aside: make test-infra's).
 CUDA_TEST_FILES = $(shell grep -rl --include='test_*.py' 'pytest.mark.cuda' tests | grep -v '^tests/infra/' | sort)
-test-sim: $(STAMP)-test
+test-sim: $(STAMP)-test sim-build
 	$(PY) -m pytest -p anydevice.testing.pytest_plugin --sim-cuda --sim-devices 2 --sim-capacity 4GiB -m cuda -rs $(CUDA_TEST_FILES)
 
 ## make test-quick: the tests not marked slow (no multi-process launches), on every core.
-test-quick: $(STAMP)-test
+test-quick: $(STAMP)-test sim-build
 	$(PY) -m pytest -n auto -m "not slow and not long"
+
+# The simulated accelerator's library, built before the tests (once per checkout, torch and
+# compiler; a few seconds when built), not inside the first test that needs it. Where it
+# cannot be built (no compiler) the tests that need it skip, saying why.
+.PHONY: sim-build
+sim-build: $(STAMP)-test
+	-$(PY) -m anydevice.testing --build
 
 ## make test-infra: real infrastructure (tests/infra, not part of `make test`): a notebook in a
 ## Jupyter kernel, two hosts in network namespaces, a SLURM cluster of two nodes. As root it

@@ -14,6 +14,10 @@ A stream race fails the run: with ``--races raise`` (the default) it raises
 :class:`~anydevice.testing.StreamRaceError` at the racing line, and a race the script
 caught still makes the run exit with status 1, with its report; ``--races warn`` reports
 each race as a warning and leaves the exit status to the script.
+
+``python -m anydevice.testing --build`` builds the simulator's library (if the build cache
+lacks it) and exits, printing where it is: for a CI job's or a container image's set-up,
+so that no test pays the build; status 1 with the reason when it cannot be built.
 """
 
 from __future__ import annotations
@@ -22,9 +26,25 @@ import argparse
 import os
 import runpy
 import sys
+from typing import NoReturn
 
 from anydevice.testing.races import MODES, race_mode, uncaught
 from anydevice.testing.simulator import enable
+
+
+def build() -> NoReturn:
+    """Build (or find built) the simulator's library, say where it is, and exit."""
+    from anydevice.errors import ExtensionError
+    from anydevice.testing.simulator import load
+
+    try:
+        library = load()
+    except ExtensionError as e:
+        print(f"anydevice.testing: the simulated accelerator cannot be built here: {e}",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(1)
+    print(f"anydevice.testing: the simulated accelerator is built: {library.__file__}")
+    sys.exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,9 +69,21 @@ def main(argv: list[str] | None = None) -> None:
         default=True,
         help="present the devices as CUDA GPUs (default); --no-cuda: as the simulator's own",
     )
-    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument(
+        "--build",
+        action="store_true",
+        help="build the simulator's library if the build cache lacks it, say where it is, "
+        "and exit (no script): for a CI job's or an image's set-up",
+    )
+    parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ns = parser.parse_args(argv)
+    if ns.build:
+        if ns.script is not None:
+            parser.error(f"--build takes no script (given {ns.script!r}); run the script apart")
+        build()
+    if ns.script is None:
+        parser.error("the following arguments are required: script (or --build)")
     sys.argv = [ns.script, *ns.args]
     _path_first(ns.script)
     code: str | int | None = 0

@@ -115,11 +115,16 @@ MAX_BANDWIDTH = 1e15
 MAX_CAPACITY = 2**60
 #: The longest ``busy()`` call, in seconds.
 MAX_BUSY = 3600.0
-#: The compiler's optimisation flags: -O1 builds faster than -O2 and runs torch's kernels
-#: (compiled in torch) just as fast; the simulator's own code is a small part of the time.
-_CFLAGS = ("-O1",)
-#: What the first build takes on two busy cores (measured: benchmarks/bench_races.py).
-_BUILD_SECONDS = "one to two minutes"
+#: The compiler's flags, each of which makes the build cheaper (bench_races.py --build):
+#: -O1 builds faster than -O2 and runs torch's kernels (compiled in torch) just as fast;
+#: the simulator's own code is a small part of the time. NDEBUG, as torch itself is built:
+#: its headers' debug-only checks (code generated in every operator call the simulator
+#: makes) are left out, and their structures match the library's (at::RecordFunction has a
+#: field only without it). AT_PER_OPERATOR_HEADERS: torch's headers include the headers of
+#: the operators they use (ATen/ops/*.h), not those of every operator (ATen/Functions.h).
+_CFLAGS = ("-O1", "-DNDEBUG", "-DAT_PER_OPERATOR_HEADERS")
+#: What the first build takes (measured: benchmarks/bench_races.py --build; docs/testing.md).
+_BUILD_SECONDS = "15 s on two idle cores, about a minute on busy ones"
 _EXTENSION = "anydevice_sim"
 _UNSET = "privateuseone"  # torch's name for the slot before a backend renames it
 
@@ -246,7 +251,7 @@ def load() -> Any:
         if building:
             logger.warning(
                 "anydevice.testing: building the simulated accelerator from C++, once for this "
-                "torch and compiler (%s on two busy cores; cached in %s)",
+                "torch and compiler (%s; cached in %s)",
                 _BUILD_SECONDS,
                 _cache(),
             )
@@ -346,10 +351,10 @@ def enable(
 ) -> torch.device:
     """Add the simulated accelerator to torch in this process, and return its device.
 
-    The first call builds the backend from C++ (one to two minutes on two busy cores; said
-    before and after on logger ``anydevice`` at WARNING; cached by content, so later
-    calls and processes load it in a fraction of a second). Calling again with the same
-    name changes the settings.
+    The first call builds the backend from C++ (15 s on two idle cores, about a minute on
+    busy ones; said before and after on logger ``anydevice`` at WARNING; cached by content,
+    so later calls and processes load it in a fraction of a second). Calling again with the
+    same name changes the settings.
 
     The stream race detector (:mod:`anydevice.testing.races`) watches it from the start:
     two accesses to a tensor's memory that nothing orders (a missing ``wait_stream``, a
@@ -447,7 +452,7 @@ def detect_races(mode: RaceMode = "raise") -> None:
     ``torch.accelerator`` are seen (those made with a device's own module, such as
     ``torch.cuda.Stream``, are not: the detector then takes their waits for missing).
     Start it before the streams and events the program makes. It needs the simulator's
-    extension (built from C++ on first use, one to two minutes, then cached). Calling it
+    extension (built from C++ on first use, 15 s to a minute, then cached). Calling it
     again changes the mode.
 
     Args:
