@@ -19,11 +19,12 @@
 // uses it is still queued goes back to the allocator at once, as on a GPU (memory.cpp
 // says when it can be handed out again).
 
+#include "boxed.h"
 #include "sim.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/set_native.h>
@@ -499,6 +500,19 @@ void put(const at::Tensor& result, at::Tensor& out) {
   }
 }
 
+// torch's at::native::resize_output, whose header takes 1.5 s of the build to read: an out=
+// argument of another shape is resized, with torch's warning when it held elements.
+void resize_output(const at::Tensor& out, c10::IntArrayRef shape) {
+  if (out.numel() != 0) {
+    TORCH_WARN("An output with one or more elements was resized since it had shape ",
+               out.sizes(), ", which does not match the required output shape ", shape,
+               ". This behavior is deprecated, and in a future PyTorch release outputs will "
+               "not be resized unless they have zero elements. You can explicitly reuse an "
+               "out tensor t by resizing it, inplace, to zero elements with t.resize_(0).");
+  }
+  out.resize_(shape);
+}
+
 // The asynchronous path: outputs from the meta kernel, the CPU kernel queued.
 void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Scan& scan,
             const Facts& facts, const Stack& meta) {
@@ -514,7 +528,7 @@ void launch(const c10::OperatorHandle& op, Stack* stack, size_t first, const Sca
       const at::Tensor& out = args[static_cast<size_t>(arg)].toTensor();
       const at::Tensor& shape = meta[i].toTensor();
       if (on_device(out) && out.sizes() != shape.sizes()) {
-        at::native::resize_output(out, shape.sizes());
+        resize_output(out, shape.sizes());
       }
     }
   }
@@ -717,9 +731,8 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 
 // Grows the storage when needed: a new block, and the old bytes copied over on the
 // current stream, after the work queued there that may still write them.
-const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size_sym,
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
                           std::optional<c10::MemoryFormat> memory_format) {
-  const auto size = C10_AS_INTARRAYREF_SLOW(size_sym);
   auto* impl = self.unsafeGetTensorImpl();
   impl->set_sizes_contiguous(size);
   const int64_t numel = impl->numel();
@@ -747,39 +760,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::SymIntArrayRef size_sym,
   return self;
 }
 
-at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size,
-                      c10::SymIntArrayRef stride, std::optional<c10::SymInt> offset) {
-  return at::native::as_strided_tensorimpl(
-      self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
-      offset.has_value() ? std::make_optional(offset->expect_int()) : std::nullopt);
-}
-
-at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
-  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
-}
-
-at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
-                         c10::SymIntArrayRef stride) {
-  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size),
-                                    C10_AS_INTARRAYREF_SLOW(stride));
-}
-
-at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
-  return at::native::set_tensor_(self, source);
-}
-
-at::Tensor& set_storage(at::Tensor& self, at::Storage source) {
-  return at::native::set_(self, source);
-}
-
-at::Tensor& set_storage_offset(at::Tensor& self, at::Storage source, c10::SymInt offset,
-                               c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
-  return at::native::set_storage_cpu_(self, source, offset.expect_int(),
-                                      C10_AS_INTARRAYREF_SLOW(size),
-                                      C10_AS_INTARRAYREF_SLOW(stride));
-}
-
-void record_stream(at::Tensor& self, c10::Stream stream) {
+void record_stream(const at::Tensor& self, c10::Stream stream) {
   TORCH_CHECK(stream.device_type() == kDev,
               "record_stream: the stream is on ", stream.device(), ", the tensor on ",
               self.device(), "; give it a stream of the tensor's device");
@@ -875,11 +856,102 @@ at::Tensor copy_from(const at::Tensor& src, const at::Tensor& dst, bool non_bloc
 
 at::Tensor copy_from_and_resize(const at::Tensor& src, const at::Tensor& dst) {
   if (dst.device().type() == kDev) {
-    resize_(dst, src.sym_sizes(), std::nullopt);
+    resize_(dst, src.sizes(), std::nullopt);
   } else {
     dst.resize_(src.sizes());
   }
   return copy_from(src, dst, false);
+}
+
+// ---------------------------------------------------------------------------
+// The entry points torch calls (boxed: see boxed.h), each reading its schema's arguments.
+
+using boxed::args;
+using boxed::done;
+using boxed::ints;
+using boxed::Stack;
+
+void empty_memory_format_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // size, *, dtype, layout, device, pin_memory, memory_format
+  at::Tensor out = empty_memory_format(ints(a[0]), boxed::dtype(a[1]), boxed::layout(a[2]),
+                                       boxed::device(a[3]), boxed::flag(a[4]),
+                                       boxed::memory_format(a[5]));
+  done(op, stack, std::move(out));
+}
+
+void empty_strided_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // size, stride, *, dtype, layout, device, pin_memory
+  at::Tensor out = empty_strided(ints(a[0]), ints(a[1]), boxed::dtype(a[2]), boxed::layout(a[3]),
+                                 boxed::device(a[4]), boxed::flag(a[5]));
+  done(op, stack, std::move(out));
+}
+
+void as_strided_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, size, stride, storage_offset?
+  const std::optional<int64_t> offset =
+      a[3].isNone() ? std::nullopt : std::make_optional(a[3].toSymInt().expect_int());
+  at::Tensor out =
+      at::native::as_strided_tensorimpl(a[0].toTensor(), ints(a[1]), ints(a[2]), offset);
+  done(op, stack, std::move(out));
+}
+
+void view_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, size
+  at::Tensor out = at::native::view(a[0].toTensor(), ints(a[1]));
+  done(op, stack, std::move(out));
+}
+
+void reshape_alias_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, size, stride
+  at::Tensor out = at::native::_reshape_alias(a[0].toTensor(), ints(a[1]), ints(a[2]));
+  done(op, stack, std::move(out));
+}
+
+void resize_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, size, *, memory_format
+  at::Tensor self = a[0].toTensor();
+  resize_(self, ints(a[1]), boxed::memory_format(a[2]));
+  done(op, stack, std::move(self));
+}
+
+void copy_from_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, dst, non_blocking
+  at::Tensor out = copy_from(a[0].toTensor(), a[1].toTensor(), a[2].toBool());
+  done(op, stack, std::move(out));
+}
+
+void copy_from_and_resize_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, dst
+  at::Tensor out = copy_from_and_resize(a[0].toTensor(), a[1].toTensor());
+  done(op, stack, std::move(out));
+}
+
+void set_tensor_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, source
+  at::Tensor self = a[0].toTensor();
+  at::native::set_tensor_(self, a[1].toTensor());
+  done(op, stack, std::move(self));
+}
+
+void set_storage_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, source
+  at::Tensor self = a[0].toTensor();
+  at::native::set_(self, a[1].toStorage());
+  done(op, stack, std::move(self));
+}
+
+void set_storage_offset_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, source, storage_offset, size, stride
+  at::Tensor self = a[0].toTensor();
+  at::native::set_storage_cpu_(self, a[1].toStorage(), a[2].toSymInt().expect_int(),
+                               ints(a[3]), ints(a[4]));
+  done(op, stack, std::move(self));
+}
+
+void record_stream_boxed(const c10::OperatorHandle& op, Stack* stack) {
+  const auto a = args(op, stack);  // self, s
+  record_stream(a[0].toTensor(), a[1].toStream());
+  done(op, stack);
 }
 
 }  // namespace
@@ -903,18 +975,18 @@ void register_kernels() {
   // device runs the CPU's own kernel for the whole op instead.
   aten->impl("mse_loss", torch::CppFunction::makeFromBoxedFunction<&run_on_device>());
   aten->impl("smooth_l1_loss", torch::CppFunction::makeFromBoxedFunction<&run_on_device>());
-  aten->impl("empty.memory_format", empty_memory_format);
-  aten->impl("empty_strided", empty_strided);
-  aten->impl("as_strided", as_strided);
-  aten->impl("view", view);
-  aten->impl("_reshape_alias", reshape_alias);
-  aten->impl("resize_", resize_);
-  aten->impl("_copy_from", copy_from);
-  aten->impl("_copy_from_and_resize", copy_from_and_resize);
-  aten->impl("set_.source_Tensor", set_tensor);
-  aten->impl("set_.source_Storage", set_storage);
-  aten->impl("set_.source_Storage_storage_offset", set_storage_offset);
-  aten->impl("record_stream", record_stream);
+  aten->impl("empty.memory_format", boxed::entry<&empty_memory_format_boxed>());
+  aten->impl("empty_strided", boxed::entry<&empty_strided_boxed>());
+  aten->impl("as_strided", boxed::entry<&as_strided_boxed>());
+  aten->impl("view", boxed::entry<&view_boxed>());
+  aten->impl("_reshape_alias", boxed::entry<&reshape_alias_boxed>());
+  aten->impl("resize_", boxed::entry<&resize_boxed>());
+  aten->impl("_copy_from", boxed::entry<&copy_from_boxed>());
+  aten->impl("_copy_from_and_resize", boxed::entry<&copy_from_and_resize_boxed>());
+  aten->impl("set_.source_Tensor", boxed::entry<&set_tensor_boxed>());
+  aten->impl("set_.source_Storage", boxed::entry<&set_storage_boxed>());
+  aten->impl("set_.source_Storage_storage_offset", boxed::entry<&set_storage_offset_boxed>());
+  aten->impl("record_stream", boxed::entry<&record_stream_boxed>());
   register_recurrent_cells(*aten);  // nn.LSTM and nn.GRU: kernels CUDA has and the CPU lacks
   // torch.autocast on this device runs, and casts nothing: ops keep their dtypes (the
   // simulator models no reduced-precision units).

@@ -2,6 +2,7 @@
 
 #include "races.h"
 
+#include <ATen/Context.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
@@ -832,6 +833,10 @@ void watch_guard(c10::DeviceType type) {
   const auto* guard = new WatchingGuard(current);  // never destroyed, as torch's own guards
   wrapped[static_cast<int>(type)] = guard;
   slot.store(guard);
+}
+
+bool host_pinned(const void* data) {
+  return at::globalContext().isPinnedPtr(data);
 }
 
 }  // namespace anydevice_races

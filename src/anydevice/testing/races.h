@@ -170,5 +170,8 @@ void watch_guard(c10::DeviceType type);
 // turn it on themselves (anydevice.testing.races sets that up).
 void watch_thread(bool on);
 void register_watch();
+// Whether host memory at `data` is pinned by the accelerator in use (torch's Context, whose
+// header is kept out of watch.cpp's translation unit: see sim_operators.cpp).
+bool host_pinned(const void* data);
 
 }  // namespace anydevice_races

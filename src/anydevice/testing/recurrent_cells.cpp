@@ -11,9 +11,11 @@
 // float16 and bfloat16 CUDA keeps a cell's intermediates in float32, and here each
 // operator rounds to the tensor's dtype.
 
+#include "boxed.h"
+
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
-#include <ATen/ops/zeros_like.h>
+#include <ATen/ops/cat_ops.h>
+#include <ATen/ops/zeros_like_ops.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -24,6 +26,17 @@ namespace anydevice_sim {
 namespace {
 
 using Optional = std::optional<at::Tensor>;
+
+// at::cat and at::zeros_like, called through their operators' declarations: the headers
+// of the functions themselves take 1.5 s of the build to read.
+at::Tensor cat(const std::vector<at::Tensor>& tensors, int64_t dim) {
+  return at::_ops::cat::call(tensors, dim);
+}
+
+at::Tensor zeros_like(const at::Tensor& t) {
+  return at::_ops::zeros_like::call(t, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+                                    std::nullopt);
+}
 
 bool given(const Optional& t) {
   return t.has_value() && t->defined();
@@ -81,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell_backward(
   const at::Tensor& fg = g[1];
   const at::Tensor& cg = g[2];
   const at::Tensor& og = g[3];
-  const at::Tensor go = given(grad_hy) ? *grad_hy : at::zeros_like(cx);
+  const at::Tensor go = given(grad_hy) ? *grad_hy : zeros_like(cx);
   const at::Tensor tanh_cy = cy.tanh();
   // gcx = go * og * (1 - tanh(cy)^2) + goc
   at::Tensor gcx = go.mul(og).mul_(tanh_cy.mul(tanh_cy).neg_().add_(1));
@@ -92,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_cell_backward(
   at::Tensor gfg = gcx.mul(cx).mul_(fg.neg().add_(1)).mul_(fg);
   at::Tensor gcg = gcx.mul(ig).mul_(cg.mul(cg).neg_().add_(1));
   at::Tensor gog = go.mul(tanh_cy).mul_(og.neg().add_(1)).mul_(og);
-  at::Tensor grad_gates = at::cat({gig, gfg, gcg, gog}, 1);
+  at::Tensor grad_gates = cat({gig, gfg, gcg, gog}, 1);
   at::Tensor grad_cx = gcx.mul(fg);
   at::Tensor grad_bias = has_bias ? grad_gates.sum(0) : at::Tensor();
   return {grad_gates, grad_cx, grad_bias};
@@ -120,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> gru_cell(const at::Tensor& input_gates,
   at::Tensor in = bias ? i[2].add(b1[2]) : i[2];
   at::Tensor ng = in.add(rg.mul(hn)).tanh_();
   at::Tensor hy = ng.add(ig.mul(hx.sub(ng)));  // ng + ig * (hx - ng)
-  return {hy, at::cat({rg, ig, ng, hx, hn}, 1)};
+  return {hy, cat({rg, ig, ng, hx, hn}, 1)};
 }
 
 // (grad of the input gates, of the hidden gates, of hx, of each bias).
@@ -143,20 +156,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gru_cell_
   at::Tensor gin = go.mul(ig.neg().add_(1)).mul_(ng.mul(ng).neg_().add_(1));
   at::Tensor ghn = gin.mul(rg);
   at::Tensor grg = gin.mul(hn).mul_(rg.neg().add_(1)).mul_(rg);
-  at::Tensor grad_input = at::cat({grg, gig, gin}, 1);
-  at::Tensor grad_hidden = at::cat({grg, gig, ghn}, 1);
+  at::Tensor grad_input = cat({grg, gig, gin}, 1);
+  at::Tensor grad_hidden = cat({grg, gig, ghn}, 1);
   at::Tensor grad_input_bias = has_bias ? grad_input.sum(0) : at::Tensor();
   at::Tensor grad_hidden_bias = has_bias ? grad_hidden.sum(0) : at::Tensor();
   return {grad_input, grad_hidden, ghx, grad_input_bias, grad_hidden_bias};
 }
 
+// The entry points torch calls (boxed: see boxed.h).
+
+void lstm_cell_boxed(const c10::OperatorHandle& op, boxed::Stack* stack) {
+  const auto a = boxed::args(op, stack);  // gates (input, hidden), cx, biases?
+  auto [hy, cy, workspace] = lstm_cell(a[0].toTensor(), a[1].toTensor(), a[2].toTensor(),
+                                       boxed::tensor(a[3]), boxed::tensor(a[4]));
+  boxed::done(op, stack, std::move(hy), std::move(cy), std::move(workspace));
+}
+
+void lstm_cell_backward_boxed(const c10::OperatorHandle& op, boxed::Stack* stack) {
+  const auto a = boxed::args(op, stack);  // grad_hy?, grad_cy?, cx, cy, workspace, has_bias
+  auto [grad_gates, grad_cx, grad_bias] =
+      lstm_cell_backward(boxed::tensor(a[0]), boxed::tensor(a[1]), a[2].toTensor(),
+                         a[3].toTensor(), a[4].toTensor(), a[5].toBool());
+  boxed::done(op, stack, std::move(grad_gates), std::move(grad_cx), std::move(grad_bias));
+}
+
+void gru_cell_boxed(const c10::OperatorHandle& op, boxed::Stack* stack) {
+  const auto a = boxed::args(op, stack);  // gates (input, hidden), hx, biases?
+  auto [hy, workspace] = gru_cell(a[0].toTensor(), a[1].toTensor(), a[2].toTensor(),
+                                  boxed::tensor(a[3]), boxed::tensor(a[4]));
+  boxed::done(op, stack, std::move(hy), std::move(workspace));
+}
+
+void gru_cell_backward_boxed(const c10::OperatorHandle& op, boxed::Stack* stack) {
+  const auto a = boxed::args(op, stack);  // grad_hy, workspace, has_bias
+  auto [grad_input, grad_hidden, grad_hx, grad_input_bias, grad_hidden_bias] =
+      gru_cell_backward(a[0].toTensor(), a[1].toTensor(), a[2].toBool());
+  boxed::done(op, stack, std::move(grad_input), std::move(grad_hidden), std::move(grad_hx),
+              std::move(grad_input_bias), std::move(grad_hidden_bias));
+}
+
 }  // namespace
 
 void register_recurrent_cells(torch::Library& aten) {
-  aten.impl("_thnn_fused_lstm_cell", lstm_cell);
-  aten.impl("_thnn_fused_lstm_cell_backward_impl", lstm_cell_backward);
-  aten.impl("_thnn_fused_gru_cell", gru_cell);
-  aten.impl("_thnn_fused_gru_cell_backward", gru_cell_backward);
+  aten.impl("_thnn_fused_lstm_cell", boxed::entry<&lstm_cell_boxed>());
+  aten.impl("_thnn_fused_lstm_cell_backward_impl", boxed::entry<&lstm_cell_backward_boxed>());
+  aten.impl("_thnn_fused_gru_cell", boxed::entry<&gru_cell_boxed>());
+  aten.impl("_thnn_fused_gru_cell_backward", boxed::entry<&gru_cell_backward_boxed>());
 }
 
 }  // namespace anydevice_sim

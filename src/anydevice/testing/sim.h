@@ -7,6 +7,7 @@
 //   recurrent_cells.cpp  the fused LSTM and GRU cells (CUDA has kernels for them, the CPU not)
 //   races.h/.cpp the stream race detector (any device; see races.h)
 //   module.cpp   the Python module: controls, and the detector's Python side
+//   boxed.h      reading a boxed call's arguments (the kernels are registered boxed)
 //
 // Split so that the heavy headers (the dispatcher's) are parsed by one file, and the
 // files build in parallel.

@@ -106,6 +106,7 @@ DEPENDS = tuple(
         "module.cpp",
         "sim.h",
         "races.h",
+        "boxed.h",
     )
 )
 #: The range of a link's speed, bytes per second (beyond it, pass None: no delay).

@@ -14,7 +14,6 @@
 
 #include "races.h"
 
-#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -172,7 +171,7 @@ void each_tensor(const c10::IValue& v, F&& f) {
 }
 
 bool pinned(const at::Tensor& t) {
-  return t.is_cpu() && has_data(t) && at::globalContext().isPinnedPtr(t.storage().data());
+  return t.is_cpu() && has_data(t) && host_pinned(t.storage().data());
 }
 
 // The operator's accesses, gathered.
