@@ -45,11 +45,19 @@ def sim() -> torch.device:
         pytest.skip(f"the simulated accelerator is not available here: {e}")
 
 
+def _warm() -> None:
+    """The host's first operator on the device imports torch._dynamo (torch's Python meta
+    kernels are wrapped to disable it): two seconds, longer than a slow copy takes to land,
+    so a test's read that should come too early would come late."""
+    (torch.ones(1, device=dev()) * 1).cpu()
+
+
 @pytest.fixture
 def slow_link() -> Iterator[None]:
     """A link slow enough that a read that does not wait lands long before the data."""
     from anydevice import testing
 
+    _warm()
     testing.set_bandwidth(SLOW)
     try:
         yield

@@ -34,10 +34,18 @@ def three_gpus() -> None:
         pytest.skip(f"the simulated accelerator is not available here: {e}")
 
 
+def _warm() -> None:
+    """The host's first operator on the device imports torch._dynamo (torch's Python meta
+    kernels are wrapped to disable it): two seconds, longer than a slow copy takes to land,
+    so a test's read that should come too early would come late."""
+    (torch.ones(1, device="cuda") * 1).cpu()
+
+
 @pytest.fixture
 def slow_link() -> object:
     from anydevice import testing
 
+    _warm()
     testing.set_bandwidth("10MB/s")
     yield
     torch.cuda.synchronize()
