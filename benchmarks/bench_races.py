@@ -226,7 +226,9 @@ def build() -> Result:
         load = os.getloadavg()[0]
         env = {**os.environ, "XDG_CACHE_HOME": cache}
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=1800, env=env, check=True)  # fmt: skip
+                              timeout=1800, env=env)  # fmt: skip
+        if proc.returncode != 0:
+            raise SystemExit(f"the build failed:\n{proc.stderr[-4000:]}")
         after = os.getloadavg()[0]
         files = {}  # ninja's log: start and end in ms, then the output's name
         for log in Path(cache).glob("anydevice/extensions/*/.ninja_log"):
