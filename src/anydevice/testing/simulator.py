@@ -125,7 +125,7 @@ MAX_BUSY = 3600.0
 #: the operators they use (ATen/ops/*.h), not those of every operator (ATen/Functions.h).
 _CFLAGS = ("-O1", "-DNDEBUG", "-DAT_PER_OPERATOR_HEADERS")
 #: What the first build takes (measured: benchmarks/bench_races.py --build; docs/testing.md).
-_BUILD_SECONDS = "15 s on two idle cores, about a minute on busy ones"
+_BUILD_SECONDS = "15 s on two idle cores, 40 s on two busy ones"
 _EXTENSION = "anydevice_sim"
 _UNSET = "privateuseone"  # torch's name for the slot before a backend renames it
 
@@ -352,8 +352,8 @@ def enable(
 ) -> torch.device:
     """Add the simulated accelerator to torch in this process, and return its device.
 
-    The first call builds the backend from C++ (15 s on two idle cores, about a minute on
-    busy ones; said before and after on logger ``anydevice`` at WARNING; cached by content,
+    The first call builds the backend from C++ (15 s on two idle cores, 40 s on two busy
+    ones; said before and after on logger ``anydevice`` at WARNING; cached by content,
     so later calls and processes load it in a fraction of a second). Calling again with the
     same name changes the settings.
 
