@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from children import Run, run_python
 from test_testing_cuda import _toolchain_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,43 +93,15 @@ COPY = (
 PLANTED = "        with torch.cuda.stream(torch.cuda.Stream()): " + COPY.lstrip()
 
 
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    def ok(self) -> str:
-        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout}\n{self.stderr}"
-        return self.stdout
-
-
 def _run(commands: list[list[str]], cwd: Path) -> Run:
     """Runs each command in turn in ``cwd`` (one thread each), until one fails."""
-    environ = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "ANYDEVICE_"))},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-    out, err, start = "", "", time.monotonic()
+    out, err, seconds = "", "", 0.0
     for command in commands:
-        try:
-            proc = subprocess.run(
-                [sys.executable, *command],
-                cwd=cwd,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT,
-                env=environ,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as e:
-            return Run(-1, out, f"{err}timed out after {TIMEOUT} s: {command}\n{e.stderr}", 0.0)
-        out, err = out + proc.stdout, err + proc.stderr
-        if proc.returncode != 0:
-            return Run(proc.returncode, out, err, time.monotonic() - start)
-    return Run(0, out, err, time.monotonic() - start)
+        run = run_python(command, timeout=TIMEOUT, cwd=cwd, OMP_NUM_THREADS="1")
+        out, err, seconds = out + run.stdout, err + run.stderr, seconds + run.seconds
+        if run.returncode != 0:
+            return Run(run.returncode, out, err, seconds)
+    return Run(0, out, err, seconds)
 
 
 def _nanogpt_folder(where: Path, train: str | None = None) -> Path:

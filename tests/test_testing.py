@@ -14,13 +14,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 
 from anydevice import testing
 from anydevice.errors import DeviceSpecError
 from anydevice.extension import find_compiler, find_ninja
+from children import Run, run_python
 
 CASES = Path(__file__).with_name("sim_cases.py")
 #: The first run builds the backend (a minute on two busy cores); later runs load it.
@@ -401,30 +401,9 @@ def _example(argv: list[str], sim: list[str] | None = None, **env: str) -> Run:
     """An example, as a user runs it: on the CPU (``sim`` None: ``ANYDEVICE_DEVICE=cpu``),
     or on simulated CUDA GPUs (``python -m anydevice.testing *sim``, the race detector on)."""
     command = ["-m", "anydevice.testing", *sim] if sim is not None else []
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "ANYDEVICE_"))}
-    if sim is None:
-        environ["ANYDEVICE_DEVICE"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, *command, str(ROOT / "examples" / argv[0]), *argv[1:]],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env={**environ, "PYTHONDONTWRITEBYTECODE": "1", **env},
-        check=False,
-    )
-    return Run(proc.returncode, proc.stdout, proc.stderr)
-
-
-class Run(NamedTuple):
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def clean(self) -> str:
-        """The output of a run that exited 0 with no race reported."""
-        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout}\n{self.stderr}"
-        assert "StreamRace" not in self.stderr and "stream race" not in self.stderr, self.stderr
-        return self.stdout
+    device = {"ANYDEVICE_DEVICE": "cpu"} if sim is None else {}
+    return run_python([*command, str(ROOT / "examples" / argv[0]), *argv[1:]],
+                      timeout=TIMEOUT, **device, **env)  # fmt: skip
 
 
 def _numbers(text: str) -> list[str]:

@@ -18,13 +18,13 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from anydevice.testing.cuda import names
+from children import Run, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "tests" / "fixtures" / "cuda_programs"
@@ -62,17 +62,6 @@ RUNS: dict[str, tuple[list[str] | None, list[str]]] = {
 WAIT = "torch.cuda.current_stream().wait_stream(self.stream)"
 
 
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-    def ok(self) -> str:
-        assert self.returncode == 0, f"exit {self.returncode}\n{self.stdout}\n{self.stderr}"
-        return self.stdout
-
-
 def _toolchain_or_skip() -> None:
     from anydevice import testing
     from anydevice.extension import find_compiler, find_ninja
@@ -85,26 +74,8 @@ def _toolchain_or_skip() -> None:
 
 
 def _run(sim: list[str] | None, argv: list[str], cwd: Path, **env: str) -> Run:
-    command = [sys.executable] + (["-m", "anydevice.testing", *sim] if sim is not None else [])
-    environ = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "ANYDEVICE_"))},
-        "OMP_NUM_THREADS": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        **env,
-    }
-    try:
-        proc = subprocess.run(
-            [*command, *argv],
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            env=environ,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as e:
-        return Run(-1, str(e.stdout or ""), f"timed out after {TIMEOUT} s\n{e.stderr or ''}")
-    return Run(proc.returncode, proc.stdout, proc.stderr)
+    command = ["-m", "anydevice.testing", *sim] if sim is not None else []
+    return run_python([*command, *argv], timeout=TIMEOUT, cwd=cwd, OMP_NUM_THREADS="1", **env)
 
 
 def _planted(tmp: Path) -> Path:
